@@ -9,8 +9,8 @@ Two views of a quantized cache's size:
   G=32 is 2 + 32/32 = 3 bits per element.
 - as allocated: `cache_bytes` follows the layout of docs/layout.md (what `kivi_jax.make_cache`
   allocates for `max_len` tokens): codes and scales for Tq = max_len rounded up to 256 tokens,
-  plus the full-precision residual windows (Rk = max(R, G) key slots, R value slots) and the
-  int32 lengths.
+  plus the full-precision residual windows (max(R, G) slots for a per-channel store such as
+  KIVI's keys, R for a per-token store such as KIVI's values) and the int32 lengths.
 """
 
 from __future__ import annotations
@@ -115,9 +115,20 @@ def cache_bytes(
     s = config.scale_jnp_dtype.itemsize
     codes = lh * (tq * d * config.key_bits // 8 + tq * d * config.value_bits // 8)
     scales = lh * 2 * s * (tq * d // g) * 2  # (scale, minimum) for K and for V
-    rk = max(config.residual_length, g)
-    residual = lh * (rk + config.residual_length) * d * shape.dtype_bytes
+    residual = (
+        lh
+        * (residual_slots(config, config.key_axis) + residual_slots(config, config.value_axis))
+        * d
+        * shape.dtype_bytes
+    )
     return CacheBytes(codes, scales, residual, lengths)
+
+
+def residual_slots(config: KiviConfig, axis: str) -> int:
+    """Full-precision slots of one store: a per-channel store quantizes whole groups of G tokens,
+    so it keeps max(R, G); a per-token store keeps the newest R."""
+    r = config.residual_length
+    return max(r, config.group_size) if axis == "channel" else r
 
 
 def per_row_bytes(shape: KVShape, config: KiviConfig | None, tokens: int) -> int:

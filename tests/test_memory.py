@@ -109,3 +109,39 @@ def test_bad_shapes_and_configs():
     with pytest.raises(ValueError, match="head_dim"):
         cache_bytes(KVShape(30, 3, 64), KiviConfig(2, 2, 128, 128), tokens=10)
     assert isinstance(cache_bytes(KVShape(30, 3, 64), None, tokens=10), CacheBytes)
+
+
+@pytest.mark.parametrize(
+    "name,g,r",
+    [
+        ("fp16", 32, 128),
+        ("kivi2", 32, 128),
+        ("kivi4", 64, 0),
+        ("k4v2", 32, 32),
+        ("pertoken2", 32, 0),
+        ("valchannel2", 64, 64),
+        ("pertoken4", 32, 128),
+    ],
+)
+def test_cache_bytes_match_make_cache(name, g, r):
+    import jax.numpy as jnp
+
+    import kivi_jax
+
+    shape = KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype_bytes=2)
+    for tokens, batch in ((100, 1), (300, 2)):
+        cache = kivi_jax.make_cache(
+            name,
+            num_layers=2,
+            batch=batch,
+            kv_heads=3,
+            head_dim=64,
+            max_len=tokens,
+            dtype=jnp.bfloat16,
+            group_size=g,
+            residual_length=r,
+        )
+        want = cache.nbytes()
+        got = cache_bytes(shape, kivi_jax.cache_config(name, g, r), tokens=tokens, batch=batch)
+        assert (got.codes, got.scales, got.residual, got.lengths) == tuple(want)
+        assert got.total == want.total
