@@ -1,1 +1,45 @@
-"""kivi-jax."""
+"""kivi-jax: KIVI 2/4-bit KV-cache quantization for JAX (arXiv 2402.02750)."""
+
+from kivi_jax.attention import decode_attention, merge_partials
+from kivi_jax.cache import (
+    CACHE_NAMES,
+    CacheBytes,
+    DenseCache,
+    KiviCache,
+    QuantizedStore,
+    cache_config,
+    check_capacity,
+    make_cache,
+)
+from kivi_jax.config import KiviConfig
+from kivi_jax.quant import (
+    QuantizedTensor,
+    dequantize,
+    pack,
+    quantize,
+    quantize_keys,
+    quantize_values,
+    unpack,
+)
+
+__all__ = [
+    "CACHE_NAMES",
+    "CacheBytes",
+    "DenseCache",
+    "KiviCache",
+    "KiviConfig",
+    "QuantizedStore",
+    "QuantizedTensor",
+    "cache_config",
+    "check_capacity",
+    "decode_attention",
+    "dequantize",
+    "make_cache",
+    "merge_partials",
+    "pack",
+    "quantize",
+    "quantize_keys",
+    "quantize_values",
+    "unpack",
+]
+__version__ = "0.1.0"

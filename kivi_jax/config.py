@@ -57,7 +57,9 @@ class KiviConfig:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         for name in ("key_axis", "value_axis"):
             if getattr(self, name) not in ("channel", "token"):
-                raise ValueError(f"{name} must be 'channel' or 'token', got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must be 'channel' or 'token', got {getattr(self, name)!r}"
+                )
 
     @property
     def scale_jnp_dtype(self):
@@ -65,7 +67,7 @@ class KiviConfig:
 
     @property
     def is_kivi(self) -> bool:
-        """True for KIVI's axes (per-channel keys, per-token values): the layout the kernels take."""
+        """True for KIVI's axes (per-channel keys, per-token values), the kernels' layout."""
         return self.key_axis == "channel" and self.value_axis == "token"
 
     def check_head_dim(self, head_dim: int) -> None:

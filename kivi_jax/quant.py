@@ -146,7 +146,9 @@ class QuantizedTensor:
 
 def _check_tensor(x: Array, name: str, group_axis: int, group_size: int) -> None:
     if not hasattr(x, "ndim") or x.ndim < 2:
-        raise ValueError(f"{name} must be an array of shape [..., T, D], got {getattr(x, 'shape', x)}")
+        raise ValueError(
+            f"{name} must be an array of shape [..., T, D], got {getattr(x, 'shape', x)}"
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     n = x.shape[group_axis]
@@ -157,7 +159,9 @@ def _check_tensor(x: Array, name: str, group_axis: int, group_size: int) -> None
         )
 
 
-def quantize(x: Array, bits: int, group_size: int, axis: str, scale_dtype="float16") -> QuantizedTensor:
+def quantize(
+    x: Array, bits: int, group_size: int, axis: str, scale_dtype="float16"
+) -> QuantizedTensor:
     """Quantize x [..., T, D] in groups of `group_size` along T (axis="channel") or D ("token")."""
     if axis not in ("channel", "token"):
         raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
@@ -178,7 +182,9 @@ def quantize(x: Array, bits: int, group_size: int, axis: str, scale_dtype="float
         scale, mn = scale[..., 0], mn[..., 0]
     plane = default_plane(x.shape[gax], bits)
     packed = pack(codes, bits, axis=gax, plane=plane)
-    return QuantizedTensor(packed, scale, mn, bits, group_size, axis, plane, jnp.dtype(x.dtype).name)
+    return QuantizedTensor(
+        packed, scale, mn, bits, group_size, axis, plane, jnp.dtype(x.dtype).name
+    )
 
 
 def quantize_keys(k: Array, config: KiviConfig) -> QuantizedTensor:

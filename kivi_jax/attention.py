@@ -1,0 +1,226 @@
+"""Decode attention of one new query per row over a KV cache.
+
+implementation:
+  "reference"  dequantize every held position, then plain softmax attention (float32).
+  "folded"     the kernel's algebra in jnp: on the quantized region the key scale is folded into
+               q per token group and the value scale into p per token, minimums become biases;
+               the residual tail is attended separately and the two merged by log-sum-exp.
+               Agrees with "reference" to float32 rounding.
+  "pallas"     the fused Mosaic GPU kernel (Hopper); raises NotImplementedError where it does
+               not apply. `interpret=True` runs it under the GPU interpreter on any backend.
+  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else
+               "reference".
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore
+from kivi_jax.quant import unpack
+
+IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas")
+
+
+def _check_query(q: Array, cache) -> None:
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"q must have shape [B, Hq, D], got {getattr(q, 'shape', q)}")
+    b, hq, d = q.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got dtype {q.dtype}")
+    if b != cache.batch or d != cache.head_dim:
+        raise ValueError(
+            f"q shape {q.shape} does not match the cache (B={cache.batch}, D={cache.head_dim})"
+        )
+    if hq % cache.kv_heads:
+        raise ValueError(f"q heads Hq={hq} must be a multiple of the cache's Hkv={cache.kv_heads}")
+
+
+def _group_query(q: Array, kv_heads: int, scale: float) -> Array:
+    b, hq, d = q.shape
+    return q.astype(jnp.float32).reshape(b, kv_heads, hq // kv_heads, d) * scale
+
+
+def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
+    """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] -> (o [B, H, r, D], lse [B, H, r])."""
+    s = jnp.einsum("bhrd,bhnd->bhrn", qg, k, precision="highest")
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    return _normalize(s, lambda p: jnp.einsum("bhrn,bhnd->bhrd", p, v, precision="highest"))
+
+
+def _normalize(s: Array, pv) -> tuple[Array, Array]:
+    """Softmax over the last axis of logits s, then pv(p); empty rows give o = 0, lse = -inf."""
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe)
+    total = jnp.sum(p, axis=-1)
+    o = pv(p) / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, m_safe[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def merge_partials(parts) -> tuple[Array, Array]:
+    """Log-sum-exp merge of normalized partial attentions [(o, lse), ...] over disjoint keys."""
+    lses = jnp.stack([lse for _, lse in parts])
+    m = jnp.max(lses, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lses - m_safe)
+    total = jnp.sum(w, axis=0)
+    o = sum(wi[..., None] * o for wi, (o, _) in zip(w, parts, strict=True))
+    o = o / jnp.where(total > 0, total, 1.0)[..., None]
+    return o, jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def _dense_reference(qg, cache: DenseCache, layer) -> tuple[Array, Array]:
+    k = cache.k[layer].astype(jnp.float32)
+    v = cache.v[layer].astype(jnp.float32)
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    return _softmax_attend(qg, k, v, jnp.arange(cache.max_len)[None, :] < n[:, None])
+
+
+def _kivi_reference(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    t = jnp.broadcast_to(jnp.arange(cache.keys.capacity), (cache.batch, cache.keys.capacity))
+    k = cache.keys.gather(layer, t, n)
+    v = cache.values.gather(layer, t, n)
+    return _softmax_attend(qg, k, v, t < n[:, None])
+
+
+def quantized_region_folded(
+    qg: Array, keys: QuantizedStore, values: QuantizedStore, layer, num_tokens: Array
+) -> tuple[Array, Array]:
+    """Attention over positions [0, num_tokens) where K and V are both quantized, folded form.
+
+    Keys (per channel, groups of G tokens): q.k_t = (q*s_g).c_t + q.z_g, so codes enter the
+    product raw. Values (per token, groups of G channels): sum_t p_t (s_t c_t + z_t) =
+    sum_t (p_t s_t) c_t + sum_t p_t z_t per channel group.
+    """
+    if keys.axis != "channel" or values.axis != "token" or not values.transposed:
+        raise NotImplementedError("the folded form needs KIVI axes (channel keys, token values)")
+    nb, nh, r, d = qg.shape
+    tq, g = keys.capacity, keys.group_size
+    kc = unpack(keys.codes[layer], keys.bits, axis=-2, plane=64).astype(jnp.float32)
+    ks = keys.scale[layer].astype(jnp.float32)  # [B, H, Tq/G, D]
+    kz = keys.minimum[layer].astype(jnp.float32)
+    qs = qg[:, :, :, None, :] * ks[:, :, None]  # [B, H, r, Tq/G, D]
+    s = jnp.einsum(
+        "bhrgd,bhgtd->bhrgt", qs, kc.reshape(nb, nh, tq // g, g, d), precision="highest"
+    ).reshape(nb, nh, r, tq)
+    bias = jnp.einsum("bhrd,bhgd->bhrg", qg, kz, precision="highest")
+    s = s + jnp.repeat(bias, g, axis=-1)
+    s = jnp.where((jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None], s, -jnp.inf)
+
+    vg = values.group_size
+    vc = unpack(values.codes[layer], values.bits, axis=-1, plane=64).astype(jnp.float32)
+    vs = values.scale[layer].astype(jnp.float32)  # [B, H, D/G, Tq]
+    vz = values.minimum[layer].astype(jnp.float32)
+
+    def pv(p):  # p [B, H, r, Tq]
+        ps = p[:, :, :, None, :] * vs[:, :, None]  # [B, H, r, D/G, Tq]
+        o = jnp.einsum(
+            "bhrct,bhcjt->bhrcj", ps, vc.reshape(nb, nh, d // vg, vg, tq), precision="highest"
+        )
+        o = o + jnp.einsum("bhrt,bhct->bhrc", p, vz, precision="highest")[..., None]
+        return o.reshape(nb, nh, r, d)
+
+    return _normalize(s, pv)
+
+
+def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
+    """Attention over positions [start, lengths) of each row (the residual tail), float32."""
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    w = cache.tail_window
+    t = n[:, None] - w + jnp.arange(w)  # the last W positions of each row
+    k = cache.keys.gather(layer, t, n)
+    v = cache.values.gather(layer, t, n)
+    return _softmax_attend(qg, k, v, (t >= start[:, None]) & (t >= 0) & (t < n[:, None]))
+
+
+def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
+    m = cache.quantized_split()
+    main = quantized_region_folded(qg, cache.keys, cache.values, layer, m)
+    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+
+
+def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret) -> tuple[Array, Array]:
+    try:
+        from pallas_kernels import kivi_decode_sm90 as kernel
+    except ImportError as e:  # pragma: no cover - the kernel module ships with the package
+        raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
+    if not cache.config.is_kivi:
+        raise NotImplementedError(
+            f"the Pallas kernel needs KIVI axes (channel keys, token values), got {cache.config}"
+        )
+    m = cache.quantized_split()
+    o, lse = kernel.kivi_decode(
+        q,
+        cache.keys.codes,
+        cache.keys.scale,
+        cache.keys.minimum,
+        cache.values.codes,
+        cache.values.scale,
+        cache.values.minimum,
+        m,
+        layer,
+        key_bits=cache.config.key_bits,
+        value_bits=cache.config.value_bits,
+        group_size=cache.config.group_size,
+        sm_scale=scale,
+        interpret=interpret,
+    )
+    b, hq, d = q.shape
+    main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
+    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+
+
+def pallas_available() -> bool:
+    """True when running on a Hopper (sm_90) GPU, where the Mosaic GPU kernel compiles."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return False
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+def decode_attention(
+    q: Array,
+    cache: KiviCache | DenseCache,
+    layer,
+    *,
+    implementation: str = "auto",
+    scale: float | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Softmax attention of one query per row over `layer` of a cache.
+
+    q: [B, Hq, D] with Hq a multiple of the cache's Hkv (GQA); attends to positions
+    [0, lengths[b]) of each row (ragged rows masked); float32 math; returns [B, Hq, D] in
+    q.dtype. scale defaults to 1/sqrt(D). Raises ValueError for bad shapes or an unknown
+    implementation, NotImplementedError where "pallas" does not apply.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(cache, KiviCache | DenseCache):
+        raise ValueError(f"cache must be a KiviCache or DenseCache, got {type(cache).__name__}")
+    _check_query(q, cache)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    qg = _group_query(q, cache.kv_heads, scale)
+    if isinstance(cache, DenseCache):
+        if implementation == "pallas":
+            raise NotImplementedError("the Pallas kernel reads quantized caches only")
+        o, _ = _dense_reference(qg, cache, layer)
+    elif implementation == "reference":
+        o, _ = _kivi_reference(qg, cache, layer)
+    elif implementation == "folded":
+        o, _ = _kivi_folded(qg, cache, layer)
+    elif implementation == "pallas" or (
+        implementation == "auto" and pallas_available() and cache.config.is_kivi
+    ):
+        o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret)
+    else:
+        o, _ = _kivi_reference(qg, cache, layer)
+    return o.reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,676 @@
+"""The quantized KV cache (KiviCache) and its full-precision twin (DenseCache).
+
+Both are registered dataclass pytrees with a fixed capacity `max_len` (static shapes under
+jit), layers stacked on a leading axis, and per-row lengths (ragged batches). Every method is
+pure and returns a new cache. The layout of the quantized arrays is the kernels' layout and is
+documented once, in docs/layout.md; the packing rule lives in kivi_jax/quant.py.
+
+Decode protocol: `advance()` once per step (lengths += 1), then `write(layer, k, v)` for each
+layer stores the new token at position lengths - 1, then attention reads positions
+[0, lengths). `append(k, v)` does both for all layers at once.
+
+Capacity policy: a row never holds more than `max_len` tokens. Outside jit, `prefill` or
+`advance` past capacity raises ValueError. Inside jit, tokens past capacity are dropped (never
+written over older ones), `lengths` keeps counting so that `overflowed` is True for that row,
+attention reads only the first `max_len` tokens, and a `checkify.debug_check` reports it
+under `checkify.checkify`. Call `check_capacity(cache)` on the host to raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jax.experimental import checkify
+
+from kivi_jax.config import KiviConfig
+from kivi_jax.quant import CACHE_PLANE, codes_per_byte, minmax_quantize, pack
+
+static = dict(static=True)
+BLOCK_TOKENS = 256  # quantized capacity is a multiple of this (a 2-bit packed block)
+
+
+class CacheBytes(NamedTuple):
+    """Bytes held by a cache, by kind. `total` is their sum."""
+
+    codes: int
+    scales: int
+    residual: int
+    metadata: int
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.scales + self.residual + self.metadata
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_dims(name: str, x, want: tuple, dtype_kind="floating") -> None:
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != len(want):
+        raise ValueError(f"{name} must have shape {want}, got {shape}")
+    for got, w in zip(shape, want, strict=True):
+        if w is not None and got != w:
+            raise ValueError(f"{name} must have shape {want} (None = any), got {shape}")
+    if dtype_kind == "floating" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    if dtype_kind == "integer" and not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def token_rows(t: Array, bits: int) -> tuple[Array, Array]:
+    """Byte row and bit shift of token positions t in a token-planar packed axis."""
+    per = codes_per_byte(bits)
+    row = (t // (CACHE_PLANE * per)) * CACHE_PLANE + t % CACHE_PLANE
+    shift = (bits * ((t // CACHE_PLANE) % per)).astype(jnp.uint8)
+    return row, shift
+
+
+# ---------------------------------------------------------------------------------------------
+# One quantized tensor (keys or values) of all layers.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedStore:
+    """Keys or values of every layer: packed codes, scales, minimums and a residual window.
+
+    axis="channel": one (scale, min) per channel and group of G tokens; the residual is a block
+    of W = max(R, G) tokens, quantized at once when it fills (KIVI keys).
+    axis="token": one (scale, min) per token and group of G channels; the residual holds the
+    newest W = R tokens, each quantized when it leaves (KIVI values).
+    transposed=False keeps tokens on the rows of the codes (keys); True keeps them on the
+    columns, i.e. stores V^T (values), which is what the kernel's P.V product wants.
+    """
+
+    codes: Array  # [L, B, Hkv, Tq/P, D], transposed: [L, B, Hkv, D, Tq/P]   uint8
+    scale: Array  # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/G, Tq]
+    minimum: Array  # same shape and dtype as scale
+    residual: Array  # [L, B, Hkv, W, D] in the model dtype; token p in slot p % W
+    bits: int = dataclasses.field(metadata=static)
+    group_size: int = dataclasses.field(metadata=static)
+    axis: str = dataclasses.field(metadata=static)
+    transposed: bool = dataclasses.field(metadata=static)
+
+    @property
+    def window(self) -> int:
+        return self.residual.shape[-2]
+
+    @property
+    def capacity(self) -> int:
+        """Tq: quantized positions per row."""
+        n = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
+        return n * codes_per_byte(self.bits)
+
+    def num_quantized(self, lengths: Array) -> Array:
+        """Per row, how many leading positions are quantized for rows holding `lengths` tokens."""
+        w = self.window
+        if self.axis == "channel":
+            return (lengths // w) * w
+        return jnp.maximum(lengths - w, 0)
+
+    @staticmethod
+    def init(
+        bits,
+        group_size,
+        axis,
+        transposed,
+        *,
+        num_layers,
+        batch,
+        kv_heads,
+        head_dim,
+        capacity,
+        window,
+        dtype,
+        scale_dtype,
+    ) -> QuantizedStore:
+        lbh = (num_layers, batch, kv_heads)
+        per = codes_per_byte(bits)
+        codes = (
+            (*lbh, head_dim, capacity // per) if transposed else (*lbh, capacity // per, head_dim)
+        )
+        if axis == "channel":
+            scale = (*lbh, capacity // group_size, head_dim)
+        else:
+            scale = (*lbh, head_dim // group_size, capacity)
+        return QuantizedStore(
+            codes=jnp.zeros(codes, jnp.uint8),
+            scale=jnp.zeros(scale, scale_dtype),
+            minimum=jnp.zeros(scale, scale_dtype),
+            residual=jnp.zeros((*lbh, window, head_dim), dtype),
+            bits=bits,
+            group_size=group_size,
+            axis=axis,
+            transposed=transposed,
+        )
+
+    def logical_axes(self) -> QuantizedStore:
+        lbh = ("layers", "batch", "kv_heads")
+        if self.transposed:
+            codes = jax.P(*lbh, "head_dim", "cache_seq_packed")
+        else:
+            codes = jax.P(*lbh, "cache_seq_packed", "head_dim")
+        if self.axis == "channel":
+            scale = jax.P(*lbh, "cache_seq_groups", "head_dim")
+        else:
+            scale = jax.P(*lbh, "head_dim_groups", "cache_seq")
+        res = jax.P(*lbh, "residual", "head_dim")
+        return dataclasses.replace(self, codes=codes, scale=scale, minimum=scale, residual=res)
+
+    # -- scatter helpers: rows, groups or slots pushed out of bounds are dropped (mode="drop"),
+    # which is how a write is skipped for rows that do not flush, or past capacity.
+
+    def _add_codes(self, layer, b, rows, vals) -> Array:
+        """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer."""
+        if self.transposed:
+            return self.codes.at[layer, b, :, :, rows].add(vals, mode="drop")
+        return self.codes.at[layer, b, :, rows, :].add(vals, mode="drop")
+
+    def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
+        if self.axis == "channel":
+            at = lambda a: a.at[layer, b, :, idx, :]
+        else:
+            at = lambda a: a.at[layer, b, :, :, idx]
+        return dataclasses.replace(
+            self,
+            scale=at(self.scale).set(scale.astype(self.scale.dtype), mode="drop"),
+            minimum=at(self.minimum).set(mn.astype(self.minimum.dtype), mode="drop"),
+        )
+
+    def write(self, layer, pos: Array, x: Array, valid: Array) -> QuantizedStore:
+        """Store token x [B, Hkv, D] at positions pos [B] of `layer` where valid [B]."""
+        if self.axis == "channel":
+            return self._write_channel(layer, pos, x, valid)
+        return self._write_token(layer, pos, x, valid)
+
+    def _write_channel(self, layer, pos, x, valid) -> QuantizedStore:
+        _, nb, nh, w, d = self.residual.shape
+        g = self.group_size
+        b = jnp.arange(nb)
+        slot = jnp.where(valid, pos % w, w)
+        res = self.residual.at[layer, b, :, slot].set(x.astype(self.residual.dtype), mode="drop")
+        block = res[layer]  # [B, H, W, D]
+        flush = valid & ((pos + 1) % w == 0)
+        codes, scale, mn = minmax_quantize(
+            block.reshape(nb, nh, w // g, g, d), self.bits, axis=-2, scale_dtype=self.scale.dtype
+        )
+        start = pos + 1 - w
+        t = start[:, None] + jnp.arange(w)  # [B, W]
+        rows, shifts = token_rows(t, self.bits)
+        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
+        rows = jnp.where(flush[:, None], rows, oob)
+        vals = codes.reshape(nb, nh, w, d).transpose(0, 2, 1, 3) << shifts[:, :, None, None]
+        store = dataclasses.replace(self, codes=self._add_codes(layer, b[:, None], rows, vals))
+        groups = start[:, None] // g + jnp.arange(w // g)
+        groups = jnp.where(flush[:, None], groups, self.scale.shape[-2])
+        store = store._set_scales(
+            layer,
+            b[:, None],
+            groups,
+            scale[..., 0, :].transpose(0, 2, 1, 3),
+            mn[..., 0, :].transpose(0, 2, 1, 3),
+        )
+        # A flushed block leaves the window empty; zeroing it keeps the cache a function of its
+        # tokens (streaming and bulk prefill give equal bits).
+        block = jnp.where(flush[:, None, None, None], jnp.zeros_like(block), block)
+        return dataclasses.replace(store, residual=res.at[layer].set(block))
+
+    def _write_token(self, layer, pos, x, valid) -> QuantizedStore:
+        nb = x.shape[0]
+        w = self.window
+        b = jnp.arange(nb)
+        res = self.residual
+        if w == 0:
+            out_x, out_pos, out_valid = x, pos, valid
+        else:
+            slot = pos % w
+            out_x = res[layer, b, :, slot]  # the token at pos - W leaves the window
+            out_pos, out_valid = pos - w, valid & (pos >= w)
+            res = res.at[layer, b, :, jnp.where(valid, slot, w)].set(
+                x.astype(res.dtype), mode="drop"
+            )
+        nh, d = x.shape[1:]
+        g = self.group_size
+        codes, scale, mn = minmax_quantize(
+            out_x.reshape(nb, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
+        )
+        row, shift = token_rows(out_pos, self.bits)
+        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
+        row = jnp.where(out_valid, row, oob)
+        vals = codes.reshape(nb, nh, d) << shift[:, None, None]
+        store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals), residual=res)
+        idx = jnp.where(out_valid, out_pos, self.scale.shape[-1])
+        return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
+
+    def prefill(self, x: Array, lengths: Array) -> QuantizedStore:
+        """The canonical store for x [L, B, Hkv, S, D] with rows holding `lengths` tokens."""
+        nl, nb, nh, s, d = x.shape
+        g, w, tq = self.group_size, self.window, self.capacity
+        s_pad = _round_up(s, BLOCK_TOKENS)
+        xp = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, s_pad - s), (0, 0)))
+        nq = self.num_quantized(lengths)
+        t = jnp.arange(s_pad)
+        keep = (t[None, :] < nq[:, None])[None, :, None]  # [1, B, 1, S_pad]
+        if self.axis == "channel":
+            codes, scale, mn = minmax_quantize(
+                xp.reshape(nl, nb, nh, s_pad // g, g, d),
+                self.bits,
+                axis=-2,
+                scale_dtype=self.scale.dtype,
+            )
+            gkeep = keep[..., ::g, None]
+            scale, mn = (jnp.where(gkeep, a[..., 0, :], 0) for a in (scale, mn))
+            codes = codes.reshape(nl, nb, nh, s_pad, d)
+        else:
+            codes, scale, mn = minmax_quantize(
+                xp.reshape(nl, nb, nh, s_pad, d // g, g),
+                self.bits,
+                axis=-1,
+                scale_dtype=self.scale.dtype,
+            )
+            scale, mn = (
+                jnp.where(keep[..., None], a[..., 0], 0).swapaxes(-1, -2) for a in (scale, mn)
+            )
+            codes = codes.reshape(nl, nb, nh, s_pad, d)
+        codes = jnp.where(keep[..., None], codes, 0).astype(jnp.uint8)
+        if self.transposed:
+            packed = pack(codes.swapaxes(-1, -2), self.bits, axis=-1, plane=CACHE_PLANE)
+            new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-1]].set(packed)
+        else:
+            packed = pack(codes, self.bits, axis=-2, plane=CACHE_PLANE)
+            new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-2], :].set(packed)
+        if self.axis == "channel":
+            new_scale = jnp.zeros_like(self.scale).at[..., : s_pad // g, :].set(scale)
+            new_min = jnp.zeros_like(self.minimum).at[..., : s_pad // g, :].set(mn)
+        else:
+            new_scale = jnp.zeros_like(self.scale).at[..., :s_pad].set(scale[..., :tq])
+            new_min = jnp.zeros_like(self.minimum).at[..., :s_pad].set(mn[..., :tq])
+        # Residual slot j holds the token at the one position p of the window with p % W == j.
+        if w == 0:
+            res = self.residual
+        else:
+            j = jnp.arange(w)
+            if self.axis == "channel":
+                p = nq[:, None] + j  # [B, W]
+            else:
+                p = (lengths[:, None] - 1) - ((lengths[:, None] - 1 - j) % w)
+            ok = (p >= 0) & (p < lengths[:, None])
+            pc = jnp.clip(p, 0, s - 1)
+            res = jnp.take_along_axis(x, pc[None, :, None, :, None], axis=3)
+            res = jnp.where(ok[None, :, None, :, None], res, 0).astype(self.residual.dtype)
+        return dataclasses.replace(
+            self, codes=new_codes, scale=new_scale, minimum=new_min, residual=res
+        )
+
+    def gather(self, layer, t: Array, lengths: Array) -> Array:
+        """Full-precision float32 K or V of `layer` at positions t [B, N] -> [B, Hkv, N, D].
+
+        Quantized positions are dequantized, the newest come from the residual; positions a row
+        does not hold read as garbage and must be masked by the caller.
+        """
+        nb = t.shape[0]
+        b = jnp.arange(nb)[:, None]
+        tq = self.capacity
+        tc = jnp.clip(t, 0, tq - 1)
+        rows, shifts = token_rows(tc, self.bits)
+        if self.transposed:
+            packed = self.codes[layer, b, :, :, rows]  # [B, N, H, D]
+        else:
+            packed = self.codes[layer, b, :, rows, :]
+        codes = (packed >> shifts[..., None, None]) & jnp.uint8((1 << self.bits) - 1)
+        g = self.group_size
+        if self.axis == "channel":
+            sc, mn = (a[layer, b, :, tc // g, :] for a in (self.scale, self.minimum))
+        else:
+            sc, mn = (
+                jnp.repeat(a[layer, b, :, :, tc], g, axis=-1) for a in (self.scale, self.minimum)
+            )
+        deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
+        nq = self.num_quantized(lengths)[:, None]
+        if self.window:
+            res = self.residual[layer, b, :, t % self.window].astype(jnp.float32)
+            deq = jnp.where((t >= nq)[..., None, None], res, deq)
+        return deq.transpose(0, 2, 1, 3)
+
+    def nbytes(self) -> CacheBytes:
+        return CacheBytes(
+            codes=self.codes.nbytes,
+            scales=self.scale.nbytes + self.minimum.nbytes,
+            residual=self.residual.nbytes,
+            metadata=0,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared decode-protocol logic of both caches.
+
+
+class _CacheOps:
+    lengths: Array
+    max_len: int
+
+    @property
+    def overflowed(self) -> Array:
+        """[B] bool: rows that were asked to hold more than max_len tokens."""
+        return self.lengths > self.max_len
+
+    def advance(self):
+        """Start a decode step: every row's length grows by one."""
+        new = self.lengths + 1
+        if _is_concrete(new):
+            if bool(jnp.any(new > self.max_len)):
+                raise ValueError(
+                    f"cache is full: a row would hold {int(jnp.max(new))} tokens, "
+                    f"max_len={self.max_len}"
+                )
+        else:
+            checkify.debug_check(
+                jnp.all(new <= self.max_len), "KV cache overflow: a row exceeded max_len"
+            )
+        return dataclasses.replace(self, lengths=new)
+
+    def _write_position(self):
+        pos = self.lengths - 1
+        return pos, (pos >= 0) & (pos < self.max_len)
+
+    def append(self, k: Array, v: Array):
+        """advance() then write() the token k, v [L, B, Hkv, D] into every layer."""
+        nl = self.num_layers
+        _check_dims("k", k, (nl, self.batch, self.kv_heads, self.head_dim))
+        _check_dims("v", v, (nl, self.batch, self.kv_heads, self.head_dim))
+        cache = self.advance()
+        return jax.lax.fori_loop(0, nl, lambda l, c: c.write(l, k[l], v[l]), cache)
+
+    def _check_prefill(self, k, v, lengths):
+        want = (self.num_layers, self.batch, self.kv_heads, None, self.head_dim)
+        _check_dims("k", k, want)
+        _check_dims("v", v, want)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+        s = k.shape[3]
+        if s > self.max_len:
+            raise ValueError(f"prompt length S={s} exceeds the cache's max_len={self.max_len}")
+        _check_dims("lengths", lengths, (self.batch,), dtype_kind="integer")
+        if _is_concrete(lengths) and bool(jnp.any((lengths < 0) | (lengths > s))):
+            raise ValueError(f"lengths must lie in [0, S={s}], got {np.asarray(lengths)}")
+
+    def _check_token(self, layer, k, v):
+        _check_dims("k", k, (self.batch, self.kv_heads, self.head_dim))
+        _check_dims("v", v, (self.batch, self.kv_heads, self.head_dim))
+        if isinstance(layer, int) and not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+
+
+def check_capacity(cache) -> None:
+    """Raise ValueError on the host if any row of `cache` overflowed its capacity."""
+    over = np.asarray(cache.overflowed)
+    if over.any():
+        raise ValueError(
+            f"KV cache overflow in rows {np.nonzero(over)[0].tolist()} "
+            f"(max_len={cache.max_len}); tokens past capacity were dropped"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KiviCache(_CacheOps):
+    """KIVI-quantized KV cache of all layers (layout: docs/layout.md)."""
+
+    keys: QuantizedStore  # codes [L, B, Hkv, Tq/Pk, D]; scale/min [L, B, Hkv, Tq/G, D]
+    values: QuantizedStore  # codes [L, B, Hkv, D, Tq/Pv]; scale/min [L, B, Hkv, D/G, Tq]
+    lengths: Array  # [B] int32: tokens held per row
+    config: KiviConfig = dataclasses.field(metadata=static)
+    max_len: int = dataclasses.field(metadata=static)
+
+    @staticmethod
+    def init(
+        config: KiviConfig,
+        *,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype=jnp.bfloat16,
+    ) -> KiviCache:
+        """An empty cache for `max_len` tokens per row; residual windows in `dtype`."""
+        if not isinstance(config, KiviConfig):
+            raise ValueError(f"config must be a KiviConfig, got {type(config).__name__}")
+        for name, val in (
+            ("num_layers", num_layers),
+            ("batch", batch),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("max_len", max_len),
+        ):
+            if not isinstance(val, int | np.integer) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        config.check_head_dim(head_dim)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        g, r = config.group_size, config.residual_length
+        cap = _round_up(max_len, max(BLOCK_TOKENS, g))
+        common = dict(
+            num_layers=num_layers,
+            batch=batch,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            capacity=cap,
+            dtype=dtype,
+            scale_dtype=config.scale_jnp_dtype,
+        )
+
+        def window(axis):
+            return max(r, g) if axis == "channel" else r
+
+        keys = QuantizedStore.init(
+            config.key_bits, g, config.key_axis, False, window=window(config.key_axis), **common
+        )
+        values = QuantizedStore.init(
+            config.value_bits,
+            g,
+            config.value_axis,
+            True,
+            window=window(config.value_axis),
+            **common,
+        )
+        return KiviCache(keys, values, jnp.zeros((batch,), jnp.int32), config, int(max_len))
+
+    num_layers = property(lambda self: self.keys.residual.shape[0])
+    batch = property(lambda self: self.keys.residual.shape[1])
+    kv_heads = property(lambda self: self.keys.residual.shape[2])
+    head_dim = property(lambda self: self.keys.residual.shape[4])
+    dtype = property(lambda self: self.keys.residual.dtype)
+
+    def prefill(self, k: Array, v: Array, lengths: Array) -> KiviCache:
+        """Replace the contents with prompts k, v [L, B, Hkv, S, D] of `lengths` [B] tokens.
+
+        Quantizes every full group at once and leaves the rest in the residual, exactly as
+        streaming the same tokens through `append` would (bit for bit).
+        """
+        self._check_prefill(k, v, lengths)
+        lengths = lengths.astype(jnp.int32)
+        return dataclasses.replace(
+            self,
+            keys=self.keys.prefill(k, lengths),
+            values=self.values.prefill(v, lengths),
+            lengths=lengths,
+        )
+
+    def write(self, layer, k: Array, v: Array) -> KiviCache:
+        """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer`."""
+        self._check_token(layer, k, v)
+        pos, valid = self._write_position()
+        return dataclasses.replace(
+            self,
+            keys=self.keys.write(layer, pos, k, valid),
+            values=self.values.write(layer, pos, v, valid),
+        )
+
+    def nbytes(self) -> CacheBytes:
+        kb, vb = self.keys.nbytes(), self.values.nbytes()
+        return CacheBytes(
+            kb.codes + vb.codes,
+            kb.scales + vb.scales,
+            kb.residual + vb.residual,
+            self.lengths.nbytes,
+        )
+
+    def logical_axes(self) -> KiviCache:
+        """The same pytree with a PartitionSpec of logical axis names in place of each array."""
+        return dataclasses.replace(
+            self,
+            keys=self.keys.logical_axes(),
+            values=self.values.logical_axes(),
+            lengths=jax.P("batch"),
+        )
+
+    def quantized_split(self) -> Array:
+        """[B] int32: positions [0, m) have both K and V quantized (the kernel's region)."""
+        n = jnp.minimum(self.lengths, self.max_len)
+        return jnp.minimum(self.keys.num_quantized(n), self.values.num_quantized(n))
+
+    @property
+    def tail_window(self) -> int:
+        """Positions [m, lengths) of a row always lie in its last `tail_window` positions."""
+        return max(self.keys.window, self.values.window)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseCache(_CacheOps):
+    """Full-precision KV cache behind the same interface: the baseline for every comparison."""
+
+    k: Array  # [L, B, Hkv, T, D]
+    v: Array  # [L, B, Hkv, T, D]
+    lengths: Array  # [B] int32
+    max_len: int = dataclasses.field(metadata=static)
+
+    @staticmethod
+    def init(
+        *,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype=jnp.bfloat16,
+    ) -> DenseCache:
+        for name, val in (
+            ("num_layers", num_layers),
+            ("batch", batch),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("max_len", max_len),
+        ):
+            if not isinstance(val, int | np.integer) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        return DenseCache(
+            jnp.zeros(shape, dtype),
+            jnp.zeros(shape, dtype),
+            jnp.zeros((batch,), jnp.int32),
+            int(max_len),
+        )
+
+    num_layers = property(lambda self: self.k.shape[0])
+    batch = property(lambda self: self.k.shape[1])
+    kv_heads = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.k.shape[4])
+    dtype = property(lambda self: self.k.dtype)
+
+    def prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
+        self._check_prefill(k, v, lengths)
+        lengths = lengths.astype(jnp.int32)
+        s = k.shape[3]
+        keep = (jnp.arange(s)[None, :] < lengths[:, None])[None, :, None, :, None]
+        put = lambda buf, x: (
+            jnp.zeros_like(buf).at[:, :, :, :s].set(jnp.where(keep, x, 0).astype(buf.dtype))
+        )
+        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v), lengths=lengths)
+
+    def write(self, layer, k: Array, v: Array) -> DenseCache:
+        self._check_token(layer, k, v)
+        pos, valid = self._write_position()
+        b = jnp.arange(self.batch)
+        pos = jnp.where(valid, pos, self.max_len)
+        put = lambda buf, x: buf.at[layer, b, :, pos].set(x.astype(buf.dtype), mode="drop")
+        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+
+    def nbytes(self) -> CacheBytes:
+        return CacheBytes(0, 0, self.k.nbytes + self.v.nbytes, self.lengths.nbytes)
+
+    def logical_axes(self) -> DenseCache:
+        spec = jax.P("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+        return dataclasses.replace(self, k=spec, v=spec, lengths=jax.P("batch"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Named cache configurations, shared by the CLI, evaluation and benchmarks.
+
+_NAMED = {
+    "kivi2": dict(key_bits=2, value_bits=2),
+    "kivi4": dict(key_bits=4, value_bits=4),
+    "kivi8": dict(key_bits=8, value_bits=8),
+    "k4v2": dict(key_bits=4, value_bits=2),
+    "k2v4": dict(key_bits=2, value_bits=4),
+    # Ablations (KIVI paper, Table 1): the naive per-token keys, and values on the wrong axis.
+    "pertoken2": dict(key_bits=2, value_bits=2, key_axis="token"),
+    "pertoken4": dict(key_bits=4, value_bits=4, key_axis="token"),
+    "valchannel2": dict(key_bits=2, value_bits=2, value_axis="channel"),
+    "valchannel4": dict(key_bits=4, value_bits=4, value_axis="channel"),
+}
+DENSE_NAMES = ("fp16",)
+CACHE_NAMES = DENSE_NAMES + tuple(_NAMED)
+
+
+def cache_config(name: str, group_size: int = 32, residual_length: int = 128) -> KiviConfig | None:
+    """The KiviConfig of a named cache ("kivi2", ...), or None for the dense "fp16" cache."""
+    if name in DENSE_NAMES:
+        return None
+    if name not in _NAMED:
+        raise ValueError(f"unknown cache name {name!r}; choose one of {', '.join(CACHE_NAMES)}")
+    return KiviConfig(group_size=group_size, residual_length=residual_length, **_NAMED[name])
+
+
+def make_cache(
+    name: str,
+    *,
+    num_layers: int,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    dtype=jnp.bfloat16,
+    group_size: int = 32,
+    residual_length: int = 128,
+) -> KiviCache | DenseCache:
+    """An empty cache by name: "fp16" is the dense cache in `dtype`, the others KIVI variants."""
+    config = cache_config(name, group_size, residual_length)
+    dims = dict(
+        num_layers=num_layers,
+        batch=batch,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_len=max_len,
+        dtype=dtype,
+    )
+    if config is None:
+        return DenseCache.init(**dims)
+    return KiviCache.init(config, **dims)
