@@ -1,0 +1,254 @@
+"""Passkey retrieval: a 5-digit key hidden in filler text at a chosen depth, read back greedily.
+
+Prompt (plain text, no chat template unless asked):
+
+    There is an important info hidden inside a lot of irrelevant text. Find it and memorize it.
+    I will quiz you about the important information there.
+    <filler> ... The pass key is NNNNN. Remember it. NNNNN is the pass key. ... <filler>
+    What is the pass key? The pass key is
+
+The filler is the classic sentence group repeated; the needle sits between two repeats at
+`depth` (0.0 = right after the preamble, 1.0 = right before the question). The prompt of a
+trial of length L has at most L - max_new_tokens tokens, so prompt plus answer fit in L.
+The answer is the first run of digits in the greedy continuation; a trial passes when it equals
+the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PREAMBLE = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def needle(key: str) -> str:
+    return NEEDLE.format(key=key)
+
+
+def random_key(rng: np.random.Generator) -> str:
+    """A 5-digit pass key, 10000-99999."""
+    return str(int(rng.integers(10000, 100000)))
+
+
+def parse_answer(text: str) -> str | None:
+    """The first run of digits in `text` (the model's continuation), or None."""
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyPrompt:
+    tokens: list[int]
+    key: str
+    depth: float
+    repeats_before: int
+    repeats_after: int
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_bos=False))
+
+
+def _wrap(tokenizer, body: str, chat_template: bool) -> str:
+    """The prompt text: plain, or the body as a user turn with the answer prefix after it."""
+    if not chat_template:
+        return body + QUESTION
+    messages = [{"role": "user", "content": body + "What is the pass key?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not isinstance(text, str):  # a template that returns ids
+        text = tokenizer.decode(list(text))
+    return text + "The pass key is"
+
+
+def build_prompt(
+    tokenizer,
+    length: int,
+    depth: float,
+    key: str,
+    *,
+    max_new_tokens: int = 10,
+    chat_template: bool = False,
+) -> PasskeyPrompt:
+    """The longest prompt of whole filler repeats with at most length - max_new_tokens tokens.
+
+    Raises ValueError for a depth outside [0, 1] or a length too short for one filler repeat.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    budget = length - max_new_tokens
+
+    def text_for(n: int) -> tuple[str, int, int]:
+        before = round(depth * n)
+        body = PREAMBLE + FILLER * before + needle(key) + FILLER * (n - before)
+        return _wrap(tokenizer, body, chat_template), before, n - before
+
+    def size(n: int) -> int:
+        return len(_encode(tokenizer, text_for(n)[0]))
+
+    if size(1) > budget:
+        raise ValueError(
+            f"length={length} is too short for a passkey prompt with one filler repeat "
+            f"({size(1)} tokens + {max_new_tokens} new tokens)"
+        )
+    # Token counts grow monotonically with repeats: estimate, then walk to the exact boundary.
+    per = max(size(2) - size(1), 1)
+    n = max(1, (budget - size(1)) // per + 1)
+    while n > 1 and size(n) > budget:
+        n -= 1
+    while size(n + 1) <= budget:
+        n += 1
+    text, before, after = text_for(n)
+    return PasskeyPrompt(_encode(tokenizer, text), key, depth, before, after)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists: (tokens int32 [B, S], lengths int32 [B])."""
+    s = max(len(p) for p in prompts)
+    out = np.full((len(prompts), s), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        out[i, : len(p)] = p
+    return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _greedy_fn(model_config, max_new_tokens: int, implementation: str):
+    from models.llama import decode_step, prefill
+
+    def run(params, tokens, lengths, cache):
+        logits, cache = prefill(params, model_config, tokens, lengths, cache)
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        def step(carry, _):
+            tok, cache = carry
+            logits, cache = decode_step(
+                params, model_config, tok, cache, implementation=implementation
+            )
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (nxt, cache), nxt
+
+        _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
+        return jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, max_new_tokens]
+
+    return jax.jit(run)
+
+
+def greedy_generate(
+    params,
+    model_config,
+    prompts: Sequence[Sequence[int]],
+    spec,
+    *,
+    max_new_tokens: int = 10,
+    implementation: str = "reference",
+) -> np.ndarray:
+    """Greedy continuations int32 [B, max_new_tokens] of right-padded prompts through `spec`."""
+    from models.eval.ppl import _model_dtype
+
+    tokens, lengths = pad_prompts(prompts)
+    cache = spec.make(
+        model_config,
+        batch=len(prompts),
+        max_len=tokens.shape[1] + max_new_tokens,
+        dtype=_model_dtype(params),
+    )
+    fn = _greedy_fn(model_config, max_new_tokens, implementation)
+    return np.asarray(fn(params, jnp.asarray(tokens), jnp.asarray(lengths), cache))
+
+
+def evaluate_passkey(
+    params,
+    model_config,
+    tokenizer,
+    spec,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    trials: int = 5,
+    seed: int = 0,
+    chat_template: bool = False,
+    max_new_tokens: int = 10,
+    max_positions: int | None = None,
+    implementation: str = "reference",
+) -> dict:
+    """Accuracy per (length, depth) cell over `trials` keys (the same keys for every cache).
+
+    Returns a JSON-able dict with the grid, the overall accuracy, every answer, and timing.
+    Raises ValueError for a length beyond the model's context or trials < 1.
+    """
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    for n in lengths:
+        if max_positions is not None and n > max_positions:
+            raise ValueError(
+                f"passkey length {n} is longer than the model's context of {max_positions} tokens"
+            )
+    cfg = spec.config()
+    if cfg is not None:
+        cfg.check_head_dim(model_config.head_dim)
+    rng = np.random.default_rng(seed)
+    keys = [random_key(rng) for _ in range(trials)]
+    cells, answers = [], []
+    t0 = time.perf_counter()
+    for n in lengths:
+        for d in depths:
+            prompts = [
+                build_prompt(
+                    tokenizer, n, d, k, max_new_tokens=max_new_tokens, chat_template=chat_template
+                )
+                for k in keys
+            ]
+            out = greedy_generate(
+                params,
+                model_config,
+                [p.tokens for p in prompts],
+                spec,
+                max_new_tokens=max_new_tokens,
+                implementation=implementation,
+            )
+            hits = 0
+            for p, ids in zip(prompts, out, strict=True):
+                text = tokenizer.decode([int(i) for i in ids])
+                got = parse_answer(text)
+                ok = got == p.key
+                hits += ok
+                answers.append(
+                    {"length": n, "depth": d, "key": p.key, "answer": text, "correct": ok}
+                )
+            cells.append(
+                {
+                    "length": n,
+                    "depth": d,
+                    "prompt_tokens": max(len(p.tokens) for p in prompts),
+                    "accuracy": hits / trials,
+                }
+            )
+    return {
+        "accuracy": float(np.mean([c["accuracy"] for c in cells])),
+        "cells": cells,
+        "trials": trials,
+        "seed": seed,
+        "chat_template": chat_template,
+        "max_new_tokens": max_new_tokens,
+        **spec.describe(),
+        "answers": answers,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }

@@ -1,0 +1,358 @@
+"""Perplexity of a model through a KV cache, two ways.
+
+Streaming (the protocol that matters): non-overlapping windows of P + T tokens from the start of
+the token stream. Prefill the first P tokens (exact attention; the prompt then enters the cache
+by the cache's rules), score token P from the prefill's last logits, then teacher-force tokens
+P .. P+T-2 one decode step at a time through the cache, each step scoring the next token. So
+every scored logit comes from decode attention over the cache exactly as generation sees it.
+Decode steps are batched over windows (rows of one cache).
+
+Simulated: one forward pass over the whole window in which every layer's post-RoPE K and V are
+replaced by their quantize-dequantize image (all of them, no residual window), scoring the same
+T tokens. It isolates the quantizer from the residual window (KIVI paper, Table 1).
+
+Perplexity = exp(mean NLL over all scored tokens of all windows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROTOCOLS = ("streaming", "simulated")
+
+
+# ---------------------------------------------------------------- corpus and windows
+
+
+def pydoc_corpus() -> str:
+    """The `pydoc` corpus: pydoc_data.topics.topics values in sorted key order, 2 newlines apart."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def load_corpus(text_file: str | None = None) -> str:
+    """The text to score: the pydoc corpus, or the contents of `text_file` (UTF-8).
+
+    Raises ValueError if the text is empty or only whitespace.
+    """
+    if text_file is None:
+        text, where = pydoc_corpus(), "the pydoc corpus"
+    else:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+        where = f"--text-file {text_file}"
+    if not text.strip():
+        raise ValueError(f"{where} is empty: nothing to score")
+    return text
+
+
+def make_windows(tokens: Sequence[int], prefill: int, decode: int, windows: int) -> np.ndarray:
+    """Non-overlapping windows of P + T tokens from the start: int32 [N, P + T].
+
+    Raises ValueError for P < 1, T < 1, N < 1 or a stream shorter than N (P + T) tokens (it
+    never silently scores fewer windows than asked).
+    """
+    if prefill < 1:
+        raise ValueError(f"prefill (P) must be >= 1 token, got {prefill}")
+    if decode < 1:
+        raise ValueError(f"decode (T) must be >= 1 token, got {decode}")
+    if windows < 1:
+        raise ValueError(f"windows must be >= 1, got {windows}")
+    w = prefill + decode
+    n = len(tokens)
+    if n < windows * w:
+        raise ValueError(
+            f"the text has {n} tokens, fewer than windows x (P + T) = {windows} x {w} = "
+            f"{windows * w}: lower --windows (at most {n // w}), --prefill or --decode, "
+            "or use a longer --text-file"
+        )
+    return np.asarray(tokens[: windows * w], dtype=np.int32).reshape(windows, w)
+
+
+def check_context(prefill: int, decode: int, max_positions: int | None) -> None:
+    """Raise ValueError if a window of P + T tokens is longer than the model's context."""
+    if max_positions is not None and prefill + decode > max_positions:
+        raise ValueError(
+            f"P + T = {prefill} + {decode} = {prefill + decode} is longer than the model's "
+            f"context of {max_positions} tokens"
+        )
+
+
+def perplexity(nll: np.ndarray) -> float:
+    """exp(mean NLL)."""
+    nll = np.asarray(nll, dtype=np.float64)
+    if nll.size == 0:
+        raise ValueError("no scored tokens")
+    return float(math.exp(nll.mean()))
+
+
+def _target_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target] in float32; logits [..., V], targets [...]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+# ---------------------------------------------------------------- caches
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """A cache by name plus the knobs that apply to quantized ones."""
+
+    name: str
+    group_size: int = 32
+    residual_length: int = 128
+
+    def config(self):
+        """The KiviConfig (None for the dense cache); raises ValueError on an unknown name."""
+        import kivi_jax
+
+        if self.name not in kivi_jax.CACHE_NAMES:
+            raise ValueError(
+                f"unknown cache name {self.name!r}; "
+                f"expected one of {', '.join(kivi_jax.CACHE_NAMES)}"
+            )
+        return kivi_jax.cache_config(
+            self.name, group_size=self.group_size, residual_length=self.residual_length
+        )
+
+    def describe(self) -> dict:
+        cfg = self.config()
+        out = {"cache": self.name}
+        if cfg is not None:
+            out.update(dataclasses.asdict(cfg))
+        return out
+
+    def make(self, model_config, *, batch: int, max_len: int, dtype):
+        import kivi_jax
+
+        return kivi_jax.make_cache(
+            self.name,
+            num_layers=model_config.num_layers,
+            batch=batch,
+            kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            max_len=max_len,
+            dtype=dtype,
+            group_size=self.group_size,
+            residual_length=self.residual_length,
+        )
+
+
+def bits_per_element(spec: CacheSpec, head_dim: int, dense_bits: int = 16) -> float:
+    cfg = spec.config()
+    return float(dense_bits) if cfg is None else cfg.bits_per_element(head_dim)
+
+
+def qdq_transform(kivi_config) -> Callable | None:
+    """kv_transform(k, v) replacing K, V [B, Hkv, S, D] by their quantize-dequantize image.
+
+    Keys and values are quantized on the config's axes (groups of G tokens for "channel", of G
+    channels for "token"). A token axis that is not a multiple of G is edge-padded (the last
+    token repeated, which leaves the last group's min and max unchanged) and cut back after.
+    None for the dense cache (no transform).
+    """
+    if kivi_config is None:
+        return None
+    from kivi_jax.quant import dequantize, quantize
+
+    g = kivi_config.group_size
+
+    def qdq(x, bits, axis):
+        s = x.shape[-2]
+        pad = (-s) % g if axis == "channel" else 0
+        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)], mode="edge") if pad else x
+        q = quantize(xp, bits, g, axis, kivi_config.scale_dtype)
+        return dequantize(q, x.dtype)[..., :s, :]
+
+    def transform(k, v):
+        return (
+            qdq(k, kivi_config.key_bits, kivi_config.key_axis),
+            qdq(v, kivi_config.value_bits, kivi_config.value_axis),
+        )
+
+    return transform
+
+
+# ---------------------------------------------------------------- the two protocols
+
+
+def _model_dtype(params):
+    leaves = [x for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return leaves[0].dtype if leaves else jnp.float32
+
+
+def _batches(n: int, batch_size: int | None):
+    b = n if not batch_size else max(1, min(batch_size, n))
+    for i in range(0, n, b):
+        yield slice(i, min(i + b, n))
+
+
+@functools.lru_cache(maxsize=8)
+def _streaming_fn(model_config, prefill_len: int, decode_len: int, implementation: str):
+    from models.llama import decode_step, prefill
+
+    def run(params, windows, cache):
+        b = windows.shape[0]
+        lengths = jnp.full((b,), prefill_len, jnp.int32)
+        logits, cache = prefill(params, model_config, windows[:, :prefill_len], lengths, cache)
+        first = _target_nll(logits, windows[:, prefill_len])
+
+        def step(cache, xs):
+            tok, target = xs
+            logits, cache = decode_step(
+                params, model_config, tok, cache, implementation=implementation
+            )
+            return cache, _target_nll(logits, target)
+
+        inputs = windows[:, prefill_len : prefill_len + decode_len - 1].T  # [T-1, B]
+        targets = windows[:, prefill_len + 1 : prefill_len + decode_len].T
+        _, rest = jax.lax.scan(step, cache, (inputs, targets))
+        return jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, T]
+
+    return jax.jit(run)
+
+
+def streaming_nll(
+    params,
+    model_config,
+    windows: np.ndarray,
+    spec: CacheSpec,
+    *,
+    prefill_len: int,
+    batch_size: int | None = None,
+    implementation: str = "reference",
+) -> np.ndarray:
+    """Per-token NLL [N, T] of the streaming protocol (module doc) through cache `spec`."""
+    windows = np.asarray(windows, np.int32)
+    n, w = windows.shape
+    decode_len = w - prefill_len
+    if not 1 <= prefill_len < w:
+        raise ValueError(f"prefill_len must be in [1, {w}), got {prefill_len}")
+    spec.config()
+    fn = _streaming_fn(model_config, prefill_len, decode_len, implementation)
+    dtype = _model_dtype(params)
+    out = []
+    for sl in _batches(n, batch_size):
+        cache = spec.make(model_config, batch=sl.stop - sl.start, max_len=w, dtype=dtype)
+        out.append(np.asarray(fn(params, jnp.asarray(windows[sl]), cache)))
+    return np.concatenate(out, axis=0)
+
+
+@functools.lru_cache(maxsize=8)
+def _full_fn(model_config, prefill_len: int, kivi_config):
+    from models.llama import prefill
+
+    transform = qdq_transform(kivi_config)
+
+    def run(params, windows, cache):
+        b, w = windows.shape
+        lengths = jnp.full((b,), w, jnp.int32)
+        logits, _ = prefill(
+            params, model_config, windows, lengths, cache, all_logits=True, kv_transform=transform
+        )
+        # logits[:, i] predicts token i + 1: score tokens P .. W-1.
+        return _target_nll(logits[:, prefill_len - 1 : w - 1], windows[:, prefill_len:])
+
+    return jax.jit(run)
+
+
+def full_window_nll(
+    params,
+    model_config,
+    windows: np.ndarray,
+    *,
+    prefill_len: int,
+    kivi_config=None,
+    batch_size: int | None = None,
+) -> np.ndarray:
+    """Per-token NLL [N, T] of tokens P .. P+T-1 from one forward pass over each whole window.
+
+    kivi_config=None: the ordinary full-window perplexity (dense attention). Otherwise the
+    simulated protocol: every K/V replaced by its quantize-dequantize image.
+    """
+    windows = np.asarray(windows, np.int32)
+    n, w = windows.shape
+    if not 1 <= prefill_len < w:
+        raise ValueError(f"prefill_len must be in [1, {w}), got {prefill_len}")
+    if kivi_config is not None:
+        kivi_config.check_head_dim(model_config.head_dim)
+    fn = _full_fn(model_config, prefill_len, kivi_config)
+    dtype = _model_dtype(params)
+    dense = CacheSpec("fp16")
+    out = []
+    for sl in _batches(n, batch_size):
+        cache = dense.make(model_config, batch=sl.stop - sl.start, max_len=w, dtype=dtype)
+        out.append(np.asarray(fn(params, jnp.asarray(windows[sl]), cache)))
+    return np.concatenate(out, axis=0)
+
+
+# ---------------------------------------------------------------- one evaluation, as JSON
+
+
+def evaluate_ppl(
+    params,
+    model_config,
+    tokens: Sequence[int],
+    spec: CacheSpec,
+    *,
+    protocol: str = "streaming",
+    prefill_len: int = 1536,
+    decode_len: int = 512,
+    windows: int = 16,
+    batch_size: int | None = None,
+    max_positions: int | None = None,
+    implementation: str = "reference",
+) -> dict:
+    """Run one protocol and return a JSON-able dict (ppl, n_tokens, parameters, cache config)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    check_context(prefill_len, decode_len, max_positions)
+    cfg = spec.config()
+    if cfg is not None:
+        cfg.check_head_dim(model_config.head_dim)
+    win = make_windows(tokens, prefill_len, decode_len, windows)
+    t0 = time.perf_counter()
+    if protocol == "streaming":
+        nll = streaming_nll(
+            params,
+            model_config,
+            win,
+            spec,
+            prefill_len=prefill_len,
+            batch_size=batch_size,
+            implementation=implementation,
+        )
+    else:
+        nll = full_window_nll(
+            params,
+            model_config,
+            win,
+            prefill_len=prefill_len,
+            kivi_config=cfg,
+            batch_size=batch_size,
+        )
+    seconds = time.perf_counter() - t0
+    return {
+        "ppl": perplexity(nll),
+        "mean_nll": float(np.mean(nll, dtype=np.float64)),
+        "n_tokens": int(nll.size),
+        "protocol": protocol,
+        "prefill": prefill_len,
+        "decode": decode_len,
+        "windows": windows,
+        "bits_per_element": bits_per_element(spec, model_config.head_dim),
+        **spec.describe(),
+        "group_size": spec.group_size if cfg is not None else None,
+        "residual_length": spec.residual_length if cfg is not None else None,
+        "seconds": round(seconds, 2),
+    }
