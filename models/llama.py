@@ -1,0 +1,358 @@
+"""The Llama family as pure functions of a params pytree, plus a Flax NNX module holding it.
+
+Shape letters: B batch, S prompt length, T cache length, V vocab, d hidden, F MLP width,
+Hq query heads, Hkv key/value heads, D head dim, L layers.
+
+Params are a plain dict (the layout loaders, orbax and sharding see); per-layer weights are
+stacked on a leading L axis so the layer loop is one `lax.scan` and compiles once:
+
+    embed        [V, d]
+    layers/      attn_norm [L, d], wq [L, d, Hq*D], wk/wv [L, d, Hkv*D], wo [L, Hq*D, d],
+                 bq [L, Hq*D], bk/bv [L, Hkv*D] (qkv_bias only), mlp_norm [L, d],
+                 w_gate/w_up [L, d, F], w_down [L, F, d]
+    final_norm   [d]
+    lm_head      [d, V] (absent when tie_embeddings)
+
+The KV cache is passed in and returned (never module state). Prefill attends in full precision
+(`jax.nn.dot_product_attention`, cuDNN where it applies) and then hands the post-RoPE K/V to
+`cache.prefill`, so keys are quantized after RoPE as in KIVI. A decode step advances the cache,
+writes the new token's K/V layer by layer and attends through `kivi_jax.decode_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+
+from kivi_jax import decode_attention
+from models.presets import ModelConfig
+
+Params = dict
+KVTransform = Callable[[Array, Array], tuple[Array, Array]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter layout and initialization.
+
+
+def param_shapes(config: ModelConfig, dtype=jnp.float32) -> Params:
+    """The params pytree as `jax.ShapeDtypeStruct`s (norm weights included, in `dtype`)."""
+    c = config
+    L, d, F = c.num_layers, c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    layers = dict(
+        attn_norm=s(L, d),
+        wq=s(L, d, q),
+        wk=s(L, d, kv),
+        wv=s(L, d, kv),
+        wo=s(L, q, d),
+        mlp_norm=s(L, d),
+        w_gate=s(L, d, F),
+        w_up=s(L, d, F),
+        w_down=s(L, F, d),
+    )
+    if c.qkv_bias:
+        layers.update(bq=s(L, q), bk=s(L, kv), bv=s(L, kv))
+    params = dict(embed=s(c.vocab_size, d), layers=layers, final_norm=s(d))
+    if not c.tie_embeddings:
+        params["lm_head"] = s(d, c.vocab_size)
+    return params
+
+
+def init_params(config: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
+    """Random params (normal, std 1/sqrt(fan_in); norms at 1) for benchmarks and tests.
+
+    Jitted, so a large preset is generated on the device without a host copy.
+    """
+    shapes = param_shapes(config, dtype)
+
+    @jax.jit
+    def make(key):
+        leaves, treedef = jax.tree.flatten_with_path(shapes)
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for (path, sd), k in zip(leaves, keys, strict=True):
+            name = jax.tree_util.keystr(path)
+            if "norm" in name:
+                out.append(jnp.ones(sd.shape, sd.dtype))
+            elif name.endswith("['bq']") or name.endswith("['bk']") or name.endswith("['bv']"):
+                out.append((0.02 * jax.random.normal(k, sd.shape, jnp.float32)).astype(sd.dtype))
+            else:
+                fan_in = sd.shape[-1] if "embed" in name else sd.shape[-2]
+                std = 1.0 if "embed" in name else 1.0 / math.sqrt(fan_in)
+                out.append((std * jax.random.normal(k, sd.shape, jnp.float32)).astype(sd.dtype))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return make(key)
+
+
+def check_params(params: Params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first parameter whose shape differs from `config`'s."""
+    want = param_shapes(config)
+    got_flat = dict(jax.tree.flatten_with_path(params)[0])
+    want_flat = dict(jax.tree.flatten_with_path(want)[0])
+    if set(got_flat) != set(want_flat):
+        missing = sorted(jax.tree_util.keystr(p) for p in set(want_flat) - set(got_flat))
+        extra = sorted(jax.tree_util.keystr(p) for p in set(got_flat) - set(want_flat))
+        raise ValueError(f"params do not match {config.name}: missing {missing}, extra {extra}")
+    for p, sd in want_flat.items():
+        if tuple(got_flat[p].shape) != sd.shape:
+            raise ValueError(
+                f"param {jax.tree_util.keystr(p)} has shape {tuple(got_flat[p].shape)}, "
+                f"expected {sd.shape} for {config.name}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm in float32, cast back to x.dtype before the weight (as HF Llama does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (float64 numpy, folded into the program as a constant)."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    sc = config.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    # llama3: long wavelengths slowed by `factor`, short kept, a smooth ramp between.
+    low_wl = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wl = sc.original_max_position_embeddings / sc.high_freq_factor
+    wl = 2 * np.pi / inv
+    smooth = (sc.original_max_position_embeddings / wl - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    mid = (1 - smooth) * inv / sc.factor + smooth * inv
+    return np.where(wl > low_wl, inv / sc.factor, np.where(wl < high_wl, inv, mid))
+
+
+def apply_rope(x: Array, positions: Array, config: ModelConfig) -> Array:
+    """Rotate x [..., H, D] at integer `positions` (shape x.shape[:-2]); half-split layout.
+
+    Angles in float32; the rotated halves are (x1 cos - x2 sin, x2 cos + x1 sin), the HF
+    `rotate_half` convention (GGUF's interleaved Q/K rows are un-permuted by the loader).
+    """
+    inv = jnp.asarray(rope_frequencies(config), jnp.float32)
+    ang = positions.astype(jnp.float32)[..., None, None] * inv  # [..., 1, D/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dense(x: Array, w: Array) -> Array:
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _qkv(lp: Params, h: Array, config: ModelConfig, positions: Array):
+    """q [..., Hq, D], k/v [..., Hkv, D] for normed hidden states h [..., d], RoPE applied."""
+    c = config
+    q, k, v = _dense(h, lp["wq"]), _dense(h, lp["wk"]), _dense(h, lp["wv"])
+    if c.qkv_bias:
+        q = q + lp["bq"].astype(jnp.float32)
+        k = k + lp["bk"].astype(jnp.float32)
+        v = v + lp["bv"].astype(jnp.float32)
+    dt = h.dtype
+    q = q.astype(dt).reshape(*h.shape[:-1], c.num_heads, c.head_dim)
+    k = k.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
+    v = v.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
+    return apply_rope(q, positions, c), apply_rope(k, positions, c), v
+
+
+def _mlp(lp: Params, x: Array, config: ModelConfig) -> Array:
+    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    gate, up = _dense(h, lp["w_gate"]), _dense(h, lp["w_up"])
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    return x + _dense(act, lp["w_down"]).astype(x.dtype)
+
+
+def _logits(params: Params, x: Array, config: ModelConfig) -> Array:
+    """float32 logits [..., V] of final hidden states x [..., d]."""
+    h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    if config.tie_embeddings:
+        return jnp.einsum(
+            "...d,vd->...v", h, params["embed"].astype(h.dtype), preferred_element_type=jnp.float32
+        )
+    return _dense(h, params["lm_head"])
+
+
+def _embed(params: Params, tokens: Array, dtype) -> Array:
+    return jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+
+
+def _model_dtype(params: Params):
+    return params["embed"].dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill and decode.
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    lengths: Array,
+    *,
+    kv_transform: KVTransform | None = None,
+) -> tuple[Array, Array, Array]:
+    """Causal forward pass over right-padded prompts, no cache.
+
+    tokens [B, S] int32, lengths [B] int32 (positions >= lengths[b] are padding and never
+    attended to). Returns (hidden [B, S, d] after the last layer, k, v [L, B, Hkv, S, D]
+    post-RoPE and untransformed). kv_transform, if given, maps each layer's (k, v)
+    [B, Hkv, S, D] to what the prompt attention sees.
+    """
+    c = config
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+    B, S = tokens.shape
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B]={B}, got shape {lengths.shape}")
+    dtype = _model_dtype(params)
+    x = _embed(params, tokens, dtype)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    lengths = lengths.astype(jnp.int32)
+
+    def layer(x, lp):
+        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        q, k, v = _qkv(lp, h, c, positions)  # [B, S, H, D]
+        ka, va = k, v
+        if kv_transform is not None:
+            kt, vt = kv_transform(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+            ka, va = kt.transpose(0, 2, 1, 3).astype(dtype), vt.transpose(0, 2, 1, 3).astype(dtype)
+        o = jax.nn.dot_product_attention(
+            q, ka, va, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths
+        )
+        # Padding query rows have no valid key only when lengths[b] == 0; keep them finite.
+        o = jnp.where(jnp.isfinite(o), o, 0).astype(dtype)
+        x = x + _dense(o.reshape(B, S, -1), lp["wo"]).astype(dtype)
+        x = _mlp(lp, x, c)
+        return x, (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+
+    x, (ks, vs) = jax.lax.scan(layer, x, params["layers"])
+    return x, ks, vs
+
+
+def prefill(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    lengths: Array,
+    cache,
+    *,
+    all_logits: bool = False,
+    kv_transform: KVTransform | None = None,
+):
+    """Run the prompts and fill `cache` with their post-RoPE K/V.
+
+    tokens [B, S] int32 right-padded, lengths [B] int32 (1 <= lengths <= S). Returns
+    (logits, cache): logits float32 [B, V] at position lengths-1, or [B, S, V] when all_logits.
+    `cache` may be None (logits only; the cache returned is None). The cache receives the
+    untransformed K/V even when kv_transform is given.
+    """
+    x, ks, vs = forward(params, config, tokens, lengths, kv_transform=kv_transform)
+    if cache is not None:
+        cache = cache.prefill(ks.astype(cache.dtype), vs.astype(cache.dtype), lengths)
+    if all_logits:
+        return _logits(params, x, config), cache
+    last = jnp.clip(lengths.astype(jnp.int32) - 1, 0, tokens.shape[1] - 1)
+    xl = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return _logits(params, xl, config), cache
+
+
+def decode_step(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    cache,
+    *,
+    implementation: str = "reference",
+):
+    """Feed one token per row at position cache.lengths: advance, write K/V, attend.
+
+    tokens [B] int32. Returns (logits float32 [B, V], cache). Every row advances (finished
+    rows are ignored by the caller).
+    """
+    c = config
+    if tokens.shape != (cache.batch,):
+        raise ValueError(f"tokens must be [B]={cache.batch} int32, got shape {tokens.shape}")
+    dtype = _model_dtype(params)
+    cache = cache.advance()
+    positions = cache.lengths - 1  # [B]
+    x = _embed(params, tokens, dtype)  # [B, d]
+    B = x.shape[0]
+
+    def layer(carry, lp):
+        x, cache, l = carry
+        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        q, k, v = _qkv(lp, h, c, positions)  # [B, H, D]
+        cache = cache.write(l, k.astype(cache.dtype), v.astype(cache.dtype))
+        o = decode_attention(q, cache, l, implementation=implementation)
+        x = x + _dense(o.reshape(B, -1), lp["wo"]).astype(dtype)
+        x = _mlp(lp, x, c)
+        return (x, cache, l + 1), None
+
+    (x, cache, _), _ = jax.lax.scan(layer, (x, cache, jnp.int32(0)), params["layers"])
+    return _logits(params, x, config), cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax NNX module: the same model as an object, for interactive use. Its state is the params
+# pytree above; jitted code always takes the pure dict (split once, never re-traced per call).
+
+
+class Llama(nnx.Module):
+    """A Llama-family decoder holding its params as `nnx.Param`s (stacked per layer).
+
+    `Llama(config, rngs=nnx.Rngs(0))` initializes randomly; `Llama.from_params(config, p)` wraps
+    loaded weights. `model.params()` gives the pure dict that `prefill`/`decode_step` take.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 params: Params | None = None):
+        self.config = config
+        if params is None:
+            rngs = rngs if rngs is not None else nnx.Rngs(0)
+            params = init_params(config, rngs.params(), dtype)
+        check_params(params, config)
+        self.embed = nnx.Param(params["embed"])
+        self.final_norm = nnx.Param(params["final_norm"])
+        self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
+        self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Params) -> Llama:
+        return cls(config, params=params)
+
+    def params(self) -> Params:
+        out = dict(
+            embed=self.embed.value,
+            final_norm=self.final_norm.value,
+            layers={k: v.value for k, v in self.layers.items()},
+        )
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head.value
+        return out
+
+    def __call__(self, tokens: Array, lengths: Array, cache=None, **kw):
+        return prefill(self.params(), self.config, tokens, lengths, cache, **kw)
+
+    def decode_step(self, tokens: Array, cache, **kw):
+        return decode_step(self.params(), self.config, tokens, cache, **kw)
