@@ -1,0 +1,477 @@
+"""Fused KIVI 2/4-bit dequantization + decode attention, Pallas Mosaic GPU, Hopper (sm_90).
+
+One query token per row attends to the quantized part of a KIVI cache (docs/layout.md) of one
+layer. Grid: (B, Hkv, num_splits) thread blocks, one warpgroup each (flash-decoding): block
+(b, h, s) streams the s-th slice of the token axis through a TMA pipeline, unpacks the codes in
+registers and runs both products on tensor cores with the 64 cached tokens (or channels) of a
+plane on wgmma's M and the padded query heads of the KV group on N:
+
+    S^T[t, n]  = Khat[t, :] . q'[n, :]            (M = 64 tokens, K = D, N = heads)
+    O^T[d, n] += Vhat^T[d, t] . P[n, t]            (M = 64 channels, K = 64 tokens, N = heads)
+
+Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue.
+
+Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
+a code field is turned into an fp16 value with one and/or (magic-number trick: the field is
+or-ed into the mantissa of 2^(10 - bits*j), whose unit in the last place is then exactly 1), one
+exact subtraction, and one multiply-add with the group's scale and minimum. The scale cannot be
+folded into q on the tensor-core path for G < 64 (one M tile of 64 tokens would need two
+different B operands) and folding both minimums needs cross-warp reductions; with fp16x2
+arithmetic the elementwise form costs about as much as folding would. `kivi_decode_reference`
+computes the same function in float32 in the folded form (scales into q / p, minimums as
+biases), so kernel and twin are two different factorizations of one formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PLANE = 64  # tokens per packed plane = wgmma M tile (docs/layout.md)
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_GROUPS = (32, 64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_PADDED_HEADS = 256  # wgmma N limit
+_WG = plgpu.Layout.WGMMA
+_WGT = plgpu.Layout.WGMMA_TRANSPOSED
+_MMA_DTYPE = jnp.float16  # fp16 wgmma operands: 3 more mantissa bits than bf16 for the codes
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static launch parameters of `kivi_decode`.
+
+    block_tokens: tokens per pipeline step (a multiple of 64 * codes-per-byte of both K and V
+      and of the group size). num_splits: thread blocks per (b, h) along the token axis.
+    stages: TMA buffers in flight. swizzle_codes: keep the code tiles swizzled in SMEM (fewer
+      bank conflicts on the register loads). skip: benchmark-only ablation ("" for the real
+      kernel; "compute" keeps only the load pipeline; "values" drops the value path).
+    """
+
+    block_tokens: int = 256
+    num_splits: int = 8
+    stages: int = 3
+    swizzle_codes: bool = False
+    skip: str = ""
+
+    def __post_init__(self):
+        if self.block_tokens <= 0 or self.block_tokens % 128:
+            raise ValueError(
+                f"block_tokens must be a positive multiple of 128, got {self.block_tokens}")
+        if self.block_tokens > 1024:
+            raise ValueError(f"block_tokens must be <= 1024, got {self.block_tokens}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"stages must be in [1, 8], got {self.stages}")
+        if self.skip not in ("", "compute", "values"):
+            raise ValueError(f"skip must be '', 'compute' or 'values', got {self.skip!r}")
+
+
+def _min_block(key_bits: int, value_bits: int) -> int:
+    return PLANE * max(8 // key_bits, 8 // value_bits)
+
+
+def choose_tuning(
+    batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
+    group_size: int = 128, num_sms: int = 132,
+) -> TuningConfig:
+    """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
+
+    Splits: enough thread blocks for about two waves of two blocks per SM, but never fewer than
+    ~4 steps per split (the pipeline prologue costs about one step). See docs/performance.md for
+    the measurements behind the choices.
+    """
+    blk = max(_min_block(key_bits, value_bits), 256, group_size)
+    while max_tokens % blk:
+        blk //= 2
+    if blk < _min_block(key_bits, value_bits) or blk < group_size:
+        raise ValueError(
+            f"max_tokens={max_tokens} is not a multiple of {_min_block(key_bits, value_bits)}")
+    steps = max_tokens // blk
+    want_blocks = 4 * num_sms
+    splits = max(1, min(steps // 4, -(-want_blocks // (batch * kv_heads))))
+    splits = max(1, min(splits, steps))
+    return TuningConfig(block_tokens=blk, num_splits=splits, stages=3)
+
+
+def _swz(dtype, minor_elems):
+    bits = jnp.dtype(dtype).itemsize * 8
+    sw = plgpu.find_swizzle(minor_elems * bits, "kivi")
+    return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
+
+
+def _field_to_f16(x16, bits: int, j: int):
+    """Code field j of zero-extended bytes `x16` (uint16) as exact fp16 integers.
+
+    Or-ing the field (bits [bits*j, bits*(j+1))) into the mantissa of 2^(10 - bits*j) gives
+    2^(10 - bits*j) + code exactly: the field's lowest bit then has weight 1.
+    """
+    mask = ((1 << bits) - 1) << (bits * j)
+    off = float(2 ** (10 - bits * j))
+    magic = (25 - bits * j) << 10  # fp16 bit pattern of `off`
+    h = lax.bitcast_convert_type((x16 & jnp.uint16(mask)) | jnp.uint16(magic), jnp.float16)
+    return h - jnp.float16(off)
+
+
+def _group_vecs(scale_s, min_s, row0: int, idx: tuple, shape, G: int):
+    """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
+    broadcast along rows (WGMMA layout). For G = 32 the tile holds two groups: the upper half
+    of the rows takes the second (one select per element, the price of G < 64)."""
+
+    def vec(ref, g):
+        v = plgpu.load(ref.at[(g, *idx)], (), layout=_WG.reduce(0))
+        return lax.broadcast_in_dim(v, shape, [1])
+
+    g = row0 // G
+    if G >= PLANE:
+        return vec(scale_s, g), vec(min_s, g)
+    lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
+    return (jnp.where(lo, vec(scale_s, g), vec(scale_s, g + 1)),
+            jnp.where(lo, vec(min_s, g), vec(min_s, g + 1)))
+
+
+def _make_kernel(
+    *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
+    interpret,
+):
+    TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
+    Pk, Pv = 8 // key_bits, 8 // value_bits
+    planes = TS // PLANE
+    total_steps = Tq // TS
+    steps_per_split = -(-total_steps // S)
+    mtiles = D // PLANE
+    f16 = jnp.float16
+
+    def body(meta_g, q_g, kc_g, ks_g, kz_g, vc_g, vs_g, vz_g, o_g, lse_g,
+             q_s, p_s, o_s, lse_s, kd_s, vd_s, bar):
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        s = lax.axis_index("s")
+        layer = meta_g[0]
+        n = jnp.minimum(meta_g[1 + b], Tq)
+        first = s * steps_per_split
+        start = first * TS
+        nsteps = jnp.clip(
+            lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
+            jnp.minimum(steps_per_split, total_steps - first))
+
+        plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+        plgpu.barrier_wait(bar)
+
+        def k_tile(kc_s, ks_s, kz_s, p):
+            """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
+            row0 = (p // Pk) * PLANE
+            x = kc_s[pl.ds(row0, PLANE), :].astype(jnp.uint16)
+            c = _field_to_f16(x, key_bits, p % Pk)
+            sc, mn = _group_vecs(ks_s, kz_s, p * PLANE, (), (PLANE, D), G)
+            return c * sc + mn
+
+        def v_tile(vc_s, vs_s, vz_s, p, m):
+            """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+            col0 = (p // Pv) * PLANE
+            x = vc_s[pl.ds(m * PLANE, PLANE), pl.ds(col0, PLANE)].astype(jnp.uint16)
+            c = _field_to_f16(x, value_bits, p % Pv)
+            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, (pl.ds(p * PLANE, PLANE),),
+                                 (PLANE, PLANE), G)
+            return c * sc + mn
+
+        def qk(a_tile):
+            def f(acc):
+                if stage_smem:
+                    kd_s[...] = a_tile
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, kd_s, q_s.T)
+                else:
+                    plgpu.wgmma(acc, a_tile, q_s.T)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+            return pl.run_scoped(f, plgpu.ACC((PLANE, NP), jnp.float32))
+
+        def step(idx, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, carry):
+            m_run, l_t, accs = carry
+            if tuning.skip == "compute":  # ablation: the TMA pipeline alone
+                return m_run, l_t, accs
+            (i,) = idx
+            tok0 = start + i * TS
+            st = []
+            rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
+            for p in range(planes):
+                sp = qk(k_tile(kc_s, ks_s, kz_s, p))
+                pos = tok0 + p * PLANE + rows
+                st.append(jnp.where(pos < n, sp, -jnp.inf))
+            tmax = st[0]
+            for x in st[1:]:
+                tmax = jnp.maximum(tmax, x)
+            m_new = jnp.maximum(m_run, tmax.max(axis=0))
+            alpha = jnp.exp(m_run - m_new)
+            mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
+            ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+            ps = [jnp.exp(x - mb) for x in st]
+            l_t = l_t * ab
+            for x in ps:
+                l_t = l_t + x
+            accs = tuple(a * ab for a in accs)
+            if tuning.skip == "values":
+                return m_new, l_t, accs
+            for p in range(planes):
+                p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
+            plgpu.commit_smem()
+            if stage_smem:
+                new = []
+                for mt in range(mtiles):
+                    def pv(acc, mt=mt):
+                        for p in range(planes):
+                            vd_s[...] = v_tile(vc_s, vs_s, vz_s, p, mt)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, vd_s, p_s.at[p].T)
+                            plgpu.wgmma_wait(0)
+                        return acc[...]
+                    new.append(accs[mt] + pl.run_scoped(pv, plgpu.ACC((PLANE, NP), jnp.float32)))
+                accs = tuple(new)
+            else:
+                def pv(acc_refs):
+                    for p in range(planes):
+                        for mt in range(mtiles):
+                            plgpu.wgmma(acc_refs[mt], v_tile(vc_s, vs_s, vz_s, p, mt), p_s.at[p].T)
+                        plgpu.wgmma_wait(0)
+                accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+            return m_new, l_t, accs
+
+        m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
+        l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+        a0 = tuple(plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+                   for _ in range(mtiles))
+        kc_rows, g_rows = TS // Pk, TS // G
+        v_cols = TS // Pv
+        ktf = _swz(jnp.uint8, D) if tuning.swizzle_codes else ()
+        vtf = _swz(jnp.uint8, v_cols) if tuning.swizzle_codes else ()
+        specs = [
+            # Block indices are offset by this split's first step (a traced value).
+            plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
+            plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
+            plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
+            plgpu.BlockSpec((D, v_cols), lambda i: (0, first + i), transforms=vtf),
+            plgpu.BlockSpec((D // G, TS), lambda i: (0, first + i)),
+            plgpu.BlockSpec((D // G, TS), lambda i: (0, first + i)),
+        ]
+        m_run, l_t, accs = plgpu.emit_pipeline(
+            step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
+            init_carry=(m0, l0, a0),
+        )(
+            kc_g.at[layer, b, h], ks_g.at[layer, b, h], kz_g.at[layer, b, h],
+            vc_g.at[layer, b, h], vs_g.at[layer, b, h], vz_g.at[layer, b, h],
+        )
+        l = l_t.sum(axis=0)
+        ok = l > 0
+        inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+        ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
+        for mt in range(mtiles):
+            o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
+        lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
+        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((NP, D), f16, transforms=_swz(f16, D)),
+        plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE)),
+        plgpu.SMEM((D, NP), jnp.float32),
+        plgpu.SMEM((NP,), jnp.float32),
+        # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
+        plgpu.SMEM((PLANE, D) if stage_smem else (8, 64), f16,
+                   transforms=_swz(f16, D if stage_smem else 64)),
+        plgpu.SMEM((PLANE, PLANE) if stage_smem else (8, 64), f16, transforms=_swz(f16, 64)),
+        plgpu.Barrier(),
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
+                  jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
+        grid=(B, Hkv, S), grid_names=("b", "h", "s"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+
+
+
+def _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+                  key_bits, value_bits, group_size):
+    """Validates shapes and dtypes; returns (L, B, Hq, Hkv, D, Tq)."""
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits not in SUPPORTED_BITS:
+            raise NotImplementedError(f"{name}={bits}: only {SUPPORTED_BITS} are supported")
+    if group_size not in SUPPORTED_GROUPS:
+        raise NotImplementedError(f"group_size={group_size}: only {SUPPORTED_GROUPS} are supported")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"q dtype {q.dtype}: only bfloat16 and float16 are supported")
+    B, Hq, D = q.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim D={D}: only {SUPPORTED_HEAD_DIMS} are supported")
+    if D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim D={D} (value groups)")
+    if k_codes.ndim != 5:
+        raise ValueError(f"k_codes must be [L, B, Hkv, Tq/Pk, D], got shape {k_codes.shape}")
+    L, _, Hkv, _, _ = k_codes.shape
+    Pk, Pv = 8 // key_bits, 8 // value_bits
+    Tq = k_codes.shape[3] * Pk
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"q heads Hq={Hq} must be a multiple of the kv heads Hkv={Hkv}")
+    if Tq % 256 or Tq == 0:
+        raise ValueError(
+            f"quantized capacity Tq={Tq} (from k_codes) must be a positive multiple of 256")
+    expect = {
+        "k_codes": ((L, B, Hkv, Tq // Pk, D), jnp.uint8),
+        "k_scale": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "k_min": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "v_codes": ((L, B, Hkv, D, Tq // Pv), jnp.uint8),
+        "v_scale": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+        "v_min": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+    }
+    got = dict(k_codes=k_codes, k_scale=k_scale, k_min=k_min, v_codes=v_codes, v_scale=v_scale,
+               v_min=v_min)
+    for name, (shape, dtype) in expect.items():
+        x = got[name]
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} (docs/layout.md), got {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ValueError(f"{name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}")
+    nt_type = jnp.result_type(num_tokens)
+    if tuple(jnp.shape(num_tokens)) != (B,) or not jnp.issubdtype(nt_type, jnp.integer):
+        raise ValueError(f"num_tokens must be an int32 [B={B}] array, got {jnp.shape(num_tokens)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if Hq // Hkv > MAX_PADDED_HEADS:
+        raise NotImplementedError(
+            f"Hq/Hkv={Hq // Hkv} query heads per kv head (max {MAX_PADDED_HEADS})")
+    return L, B, Hq, Hkv, D, Tq
+
+
+def merge_partials(o_parts, lse_parts):
+    """Log-sum-exp merge over the split axis. o_parts [..., S, D, N], lse_parts [..., S, N] ->
+    (o [..., N, D], lse [..., N]); rows whose splits are all empty give o = 0, lse = -inf."""
+    mx = lse_parts.max(axis=-2)
+    safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse_parts - safe[..., None, :])  # [..., S, N]; exp(-inf) = 0 for empty splits
+    tot = w.sum(axis=-2)
+    o = jnp.einsum("...sdn,...sn->...nd", o_parts, w)
+    o = jnp.where((tot > 0)[..., None], o / jnp.where(tot > 0, tot, 1.0)[..., None], 0.0)
+    lse = jnp.where(tot > 0, safe + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+    return o, lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret",
+                     "stage_smem"),
+)
+def _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
+                 key_bits, value_bits, group_size, sm_scale, tuning, interpret, stage_smem):
+    L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+                                         num_tokens, layer, key_bits, value_bits, group_size)
+    nq = Hq // Hkv
+    NP = max(8, -(-nq // 8) * 8)  # wgmma N granularity
+    # sm_scale is applied in float32 before the cast to the fp16 wgmma operand.
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0))).astype(_MMA_DTYPE)
+    meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
+                            jnp.asarray(num_tokens, jnp.int32).reshape(B)])
+    kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
+                        value_bits=value_bits, G=group_size, tuning=tuning,
+                        stage_smem=stage_smem, interpret=interpret)
+    o_parts, lse_parts = kern(meta, qf, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
+    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+
+
+def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
+                key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+                tuning: TuningConfig | None = None, interpret=False):
+    """Decode attention of one query token per row over the quantized KIVI cache of one layer.
+
+    q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
+    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes [L,B,Hkv,D,Tq/Pv]
+    u8, v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend to positions
+    [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be traced; the kernel
+    reads both itself). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log
+    sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
+
+    `interpret`: False for the GPU, or a `plgpu.InterpretGPUParams` to run the SMEM-staged
+    variant under the CPU interpreter. Raises ValueError on bad shapes/dtypes and
+    NotImplementedError on unsupported bits, group sizes, head dims or dtypes.
+    """
+    if tuning is None:
+        Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
+        tuning = choose_tuning(q.shape[0], k_codes.shape[2] if k_codes.ndim == 5 else 1, Tq,
+                               key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+    Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
+    need = max(_min_block(key_bits, value_bits), group_size)
+    if tuning.block_tokens % need:
+        raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "
+                         f"for key_bits={key_bits}, value_bits={value_bits}, G={group_size}")
+    if Tq % tuning.block_tokens:
+        raise ValueError(f"Tq={Tq} must be a multiple of tuning.block_tokens={tuning.block_tokens}")
+    return _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+                        key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                        sm_scale=float(sm_scale), tuning=tuning, interpret=interpret,
+                        stage_smem=interpret is not False and interpret is not None)
+
+
+def _unpack_layer(codes, bits, axis):
+    from kivi_jax.quant import unpack  # the packing rule is defined once, in kivi_jax.quant
+
+    return unpack(codes, bits, axis=axis, plane=PLANE)
+
+
+@functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale"))
+def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+                          *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+                          tuning=None, interpret=False):
+    """The kernel's twin in float32, in folded form: key scale folded into q per token group,
+    value scale into p per token and channel group, minimums as biases. Same signature and
+    outputs as `kivi_decode` (tuning/interpret ignored)."""
+    del tuning, interpret
+    L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+                                         num_tokens, layer, key_bits, value_bits, group_size)
+    G, nq = group_size, Hq // Hkv
+    f32 = jnp.float32
+    take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
+    sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+    kc = _unpack_layer(sel(k_codes), key_bits, 2)  # [B, Hkv, Tq, D]
+    vc = _unpack_layer(sel(v_codes), value_bits, 3)  # [B, Hkv, D, Tq]
+    ks, kz, vs, vz = take(k_scale), take(k_min), take(v_scale), take(v_min)
+    qs = q.astype(f32).reshape(B, Hkv, nq, D) * sm_scale
+    # keys: q'_g = q * s_g (per token group g), bias_g = q . z_g
+    qg = qs[:, :, None] * ks[:, :, :, None, :]  # [B,H,Tq/G,nq,D]
+    kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
+    logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
+    logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
+    logits = logits.reshape(B, Hkv, nq, Tq)
+    n = jnp.minimum(jnp.asarray(num_tokens, jnp.int32), Tq)
+    valid = jnp.arange(Tq)[None, :] < n[:, None]  # [B, Tq]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    mx = logits.max(axis=-1)
+    safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(logits - safe[..., None])  # [B,H,nq,Tq]
+    tot = p.sum(axis=-1)
+    # values: P'_c = p * s_v[t, c] per channel group c, bias = sum_t p * z_v[t, c]
+    pg = p[:, :, :, None, :] * vs[:, :, None]  # [B,H,nq,D/G,Tq]
+    vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)
+    o = jnp.einsum("bhncT,bhcgT->bhncg", pg, vcg, precision="highest")
+    o = o + jnp.einsum("bhnT,bhcT->bhnc", p, vz, precision="highest")[..., None]
+    o = o.reshape(B, Hkv, nq, D)
+    ok = tot > 0
+    o = jnp.where(ok[..., None], o / jnp.where(ok, tot, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
