@@ -1,0 +1,350 @@
+"""Generation over an explicit KV cache: jitted prefill, then the whole decode loop in one jit.
+
+The loop is a `lax.while_loop` over `LoopState` (step, done, tokens, cache, rng, ...) with the
+cache donated. Prompts are right-padded to a bucket length (powers of two from 16) and the
+number of new tokens is bucketed the same way, so serving many prompts compiles a handful of
+programs, not one per prompt. Padding never reaches attention: prefill masks keys past each
+row's length and the cache attends to [0, lengths[b]) per row.
+
+`stream` is the Python-level generator for interactive use: one jitted decode step per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+import kivi_jax
+from models import llama
+from models.presets import ModelConfig
+
+MIN_BUCKET = 16
+MAX_STOP_IDS = 8  # stop ids are padded to this many so their count never changes a program
+
+# CPU backends cannot donate; the warning says so on every call.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    if n < 0:
+        raise ValueError(f"length must be >= 0, got {n}")
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. greedy=True takes the argmax (the rest ignored).
+
+    Otherwise logits / temperature, then top_k (0: off), then top_p (1.0: off) nucleus.
+    """
+
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+GREEDY = Sampling(greedy=True)
+
+
+def sample(logits: Array, rng: Array, sampling: Sampling) -> Array:
+    """Next tokens [B] int32 from float32 logits [B, V] with an explicit PRNG key."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = logits.astype(jnp.float32) / sampling.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if sampling.top_k:
+        kth = jax.lax.top_k(x, min(sampling.top_k, x.shape[-1]))[0][:, -1:]
+        x = jnp.where(x < kth, neg, x)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-x, axis=-1)
+        sx = jnp.take_along_axis(x, order, axis=-1)
+        p = jax.nn.softmax(sx, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p  # mass of strictly more likely tokens
+        keep_sorted = before < sampling.top_p  # the most likely token is always kept
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(
+            keep_sorted
+        )
+        x = jnp.where(keep, x, neg)
+    return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    step: Array  # [] int32: tokens generated so far (columns of `tokens` filled)
+    done: Array  # [B] bool: row has produced a stop token
+    tokens: Array  # [B, N] int32: generated tokens, pad_id after a row is done
+    last: Array  # [B] int32: the token fed at the next step
+    cache: Any  # KiviCache | DenseCache
+    rng: Array  # PRNG key
+
+
+def _pad_stops(stop_ids: Sequence[int]) -> Array:
+    stop_ids = list(dict.fromkeys(int(s) for s in stop_ids))
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+    return jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
+
+
+def _decode_loop(
+    params,
+    logits: Array,
+    cache,
+    rng: Array,
+    max_new: Array,
+    stops: Array,
+    *,
+    config: ModelConfig,
+    num_slots: int,
+    sampling: Sampling,
+    implementation: str,
+) -> LoopState:
+    B = logits.shape[0]
+
+    def pick(logits, rng, step, done):
+        tok = sample(logits, jax.random.fold_in(rng, step), sampling)
+        return jnp.where(done, stops[0], tok)
+
+    done0 = jnp.zeros((B,), bool)
+    first = pick(logits, rng, 0, done0)
+    state = LoopState(
+        step=jnp.int32(1),
+        done=jnp.isin(first, stops),
+        tokens=jnp.zeros((B, num_slots), jnp.int32).at[:, 0].set(first),
+        last=first,
+        cache=cache,
+        rng=rng,
+    )
+
+    def cond(s: LoopState):
+        return (s.step < max_new) & ~jnp.all(s.done)
+
+    def body(s: LoopState):
+        logits, cache = llama.decode_step(
+            params, config, s.last, s.cache, implementation=implementation
+        )
+        tok = pick(logits, s.rng, s.step, s.done)
+        return LoopState(
+            step=s.step + 1,
+            done=s.done | jnp.isin(tok, stops),
+            tokens=s.tokens.at[:, s.step].set(tok),
+            last=tok,
+            cache=cache,
+            rng=s.rng,
+        )
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+prefill_jit = jax.jit(
+    llama.prefill,
+    static_argnames=("config", "all_logits", "kv_transform"),
+    donate_argnames=("cache",),
+)
+decode_step_jit = jax.jit(
+    llama.decode_step, static_argnames=("config", "implementation"), donate_argnames=("cache",)
+)
+decode_loop_jit = jax.jit(
+    _decode_loop,
+    static_argnames=("config", "num_slots", "sampling", "implementation"),
+    donate_argnames=("cache",),
+)
+
+
+@jax.jit
+def _sample_jit_greedy(logits):
+    return jnp.argmax(logits, -1).astype(jnp.int32)
+
+
+sample_jit = jax.jit(sample, static_argnames=("sampling",))
+
+
+def compiled_programs() -> int:
+    """Programs compiled so far by the jitted prefill / decode loop / step (for tests)."""
+    return prefill_jit._cache_size() + decode_loop_jit._cache_size() + decode_step_jit._cache_size()
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of `generate`: per-row generated ids (stop token included when one was hit)."""
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    stopped: list[bool]
+    cache_bytes: int  # bytes of the cache as allocated
+    dense16_cache_bytes: int  # a 16-bit dense cache of the same capacity
+    max_len: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens produced by decode steps (all rows, first token excluded) per second."""
+        steps = max(len(t) for t in self.tokens) - 1
+        n = steps * len(self.tokens)
+        return n / self.decode_seconds if self.decode_seconds > 0 and steps > 0 else float("nan")
+
+
+def make_prompt_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0):
+    """(tokens [B, S_bucket] int32 right-padded, lengths [B] int32) for token-id prompts."""
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError(f"every prompt needs at least one token, got lengths {lens}")
+    S = bucket(max(lens))
+    arr = np.full((len(prompts), S), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    return jnp.asarray(arr), jnp.asarray(lens, jnp.int32)
+
+
+def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
+    return kivi_jax.make_cache(
+        cache,
+        num_layers=config.num_layers,
+        batch=batch,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=dtype,
+        **kw,
+    )
+
+
+def _cache_kw(group_size, residual_length):
+    kw = {}
+    if group_size is not None:
+        kw["group_size"] = group_size
+    if residual_length is not None:
+        kw["residual_length"] = residual_length
+    return kw
+
+
+def generate(
+    params,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    cache: str = "fp16",
+    max_new_tokens: int = 64,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    implementation: str = "reference",
+    group_size: int | None = None,
+    residual_length: int | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
+
+    cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype). Rows stop
+    at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
+    max_position_embeddings.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tokens, lengths = make_prompt_batch(prompts)
+    B, S = tokens.shape
+    N = bucket(max_new_tokens)
+    max_len = S + N
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt plus max_new_tokens = {longest} exceeds the model's "
+            f"max_position_embeddings={config.max_position_embeddings}"
+        )
+    dtype = params["embed"].dtype
+    kw = _cache_kw(group_size, residual_length)
+    c = new_cache(cache, config, B, max_len, dtype, **kw)
+    dense16 = jax.eval_shape(lambda: new_cache("fp16", config, B, max_len, jnp.bfloat16))
+    dense16_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense16))
+    cache_bytes = c.nbytes().total
+
+    t0 = time.perf_counter()
+    logits, c = prefill_jit(params, config, tokens, lengths, c)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    state = decode_loop_jit(
+        params,
+        logits,
+        c,
+        jax.random.key(seed),
+        jnp.int32(max_new_tokens),
+        _pad_stops(stop_ids),
+        config=config,
+        num_slots=N,
+        sampling=sampling,
+        implementation=implementation,
+    )
+    out = np.asarray(state.tokens)
+    steps = int(state.step)
+    t2 = time.perf_counter()
+    kivi_jax.check_capacity(state.cache)
+    stops = set(int(s) for s in stop_ids)
+    rows, stopped = [], []
+    for r in out[:, :steps].tolist():
+        cut = next((i + 1 for i, t in enumerate(r) if t in stops), None)
+        rows.append(r[:cut] if cut else r)
+        stopped.append(cut is not None)
+    return Generation(
+        tokens=rows,
+        prompt_lengths=[len(p) for p in prompts],
+        stopped=stopped,
+        cache_bytes=int(cache_bytes),
+        dense16_cache_bytes=int(dense16_bytes),
+        max_len=max_len,
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+    )
+
+
+def stream(
+    params,
+    config: ModelConfig,
+    prompt: Sequence[int],
+    *,
+    cache: str = "fp16",
+    max_new_tokens: int = 64,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    implementation: str = "reference",
+    group_size: int | None = None,
+    residual_length: int | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids one by one (the stop token, if hit, is yielded last).
+
+    Same programs per bucket as `generate`, but one jitted step per token, driven from Python.
+    """
+    tokens, lengths = make_prompt_batch([prompt])
+    max_len = tokens.shape[1] + bucket(max_new_tokens)
+    c = new_cache(cache, config, 1, max_len, params["embed"].dtype,
+                  **_cache_kw(group_size, residual_length))
+    logits, c = prefill_jit(params, config, tokens, lengths, c)
+    rng = jax.random.key(seed)
+    stops = set(int(s) for s in stop_ids)
+    for step in range(max_new_tokens):
+        tok = sample_jit(logits, jax.random.fold_in(rng, step), sampling)
+        t = int(tok[0])
+        yield t
+        if t in stops or step == max_new_tokens - 1:
+            return
+        logits, c = decode_step_jit(params, config, tok, c, implementation=implementation)
