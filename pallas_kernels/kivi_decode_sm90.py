@@ -147,6 +147,7 @@ def _make_kernel(
     total_steps = Tq // TS
     steps_per_split = -(-total_steps // S)
     mtiles = D // PLANE
+    VCH = min(TS, 256)
     f16 = jnp.float16
 
     def body(meta_g, q_g, kc_g, ks_g, kz_g, vc_g, vs_g, vz_g, o_g, lse_g,
@@ -178,7 +179,8 @@ def _make_kernel(
             col0 = (p // Pv) * PLANE
             x = vc_s[pl.ds(m * PLANE, PLANE), pl.ds(col0, PLANE)].astype(jnp.uint16)
             c = _field_to_f16(x, value_bits, p % Pv)
-            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, (pl.ds(p * PLANE, PLANE),),
+            tok = (p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE)
+            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, tok,
                                  (PLANE, PLANE), G)
             return c * sc + mn
 
@@ -258,8 +260,9 @@ def _make_kernel(
             plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
             plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
             plgpu.BlockSpec((D, v_cols), lambda i: (0, first + i), transforms=vtf),
-            plgpu.BlockSpec((D // G, TS), lambda i: (0, first + i)),
-            plgpu.BlockSpec((D // G, TS), lambda i: (0, first + i)),
+            # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
+            plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
+            plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
         ]
         m_run, l_t, accs = plgpu.emit_pipeline(
             step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -387,6 +390,9 @@ def _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0))).astype(_MMA_DTYPE)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
+    vch = min(tuning.block_tokens, 256)
+    v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // vch, vch)  # free: splits the minor dim
+    v_min = v_min.reshape(*v_min.shape[:-1], Tq // vch, vch)
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret)

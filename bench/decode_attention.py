@@ -1,0 +1,286 @@
+"""Decode-attention benchmark on one GPU: the fused KIVI kernel vs cuDNN fp16 vs XLA fp16.
+
+    PYTHONPATH=. python3 bench/decode_attention.py --mode grid [--out DIR]
+    PYTHONPATH=. python3 bench/decode_attention.py --mode tune      # variants at B=8, T=128k
+    PYTHONPATH=. python3 bench/decode_attention.py --mode check     # GPU correctness only
+
+Timing: one jitted function runs the attention for every layer of an L-layer stack (python
+loop, distinct buffers, no copies), L chosen so the bytes touched exceed the 60 MB L2 several
+times; time per layer = wall time / L, median over repeats after warm-up, synchronized with
+block_until_ready. Bytes: what each implementation must read (codes + scales + minimums for
+the kernel; fp16 K and V for cuDNN/XLA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kivi_decode_sm90 as kd
+
+L2_BYTES = 60e6
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def quant_bytes(B, Hkv, D, T, kb, vb, G):
+    return B * Hkv * T * D * (kb + vb) / 8 + 4 * B * Hkv * T * D // G * 2
+
+
+def make_cache(key, L, B, Hkv, D, T, kb, vb, G):
+    ks = jax.random.split(key, 6)
+    u8 = lambda k, s: jax.random.bits(k, s, jnp.uint8)  # random bytes are valid packed codes
+    f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
+    return (u8(ks[0], (L, B, Hkv, T * kb // 8, D)),
+            f(ks[1], (L, B, Hkv, T // G, D), 0.02, 0.2),
+            f(ks[2], (L, B, Hkv, T // G, D), -0.5, 0.0),
+            u8(ks[3], (L, B, Hkv, D, T * vb // 8)),
+            f(ks[4], (L, B, Hkv, D // G, T), 0.02, 0.2),
+            f(ks[5], (L, B, Hkv, D // G, T), -0.5, 0.0))
+
+
+def time_layers(fn, args, reps=15, warm=2, cap_s=20.0):
+    """Median seconds of fn(*args) (fn runs all L layers) over reps after warm-up."""
+    for _ in range(warm):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    t_end = time.perf_counter() + cap_s
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+        if time.perf_counter() > t_end and len(ts) >= 3:
+            break
+    return statistics.median(ts), ts
+
+
+def layers_for(bytes_per_layer, lo=2, hi=16):
+    return int(min(hi, max(lo, math.ceil(4 * L2_BYTES / bytes_per_layer))))
+
+
+def kivi_fn(L, kw, tuning):
+    def run(q, nt, *cache):
+        acc = jnp.zeros(q.shape, jnp.float32)
+        for layer in range(L):
+            o, _ = kd.kivi_decode(q, *cache, nt, jnp.int32(layer), **kw, tuning=tuning)
+            acc = acc + o
+        return acc
+    return jax.jit(run)
+
+
+def fp16_fn(L, impl):
+    def run(q, ks, vs):
+        acc = jnp.zeros(q.shape, jnp.float32)
+        for layer in range(L):
+            if impl == "cudnn":
+                o = jax.nn.dot_product_attention(q, ks[layer], vs[layer], implementation="cudnn")
+            else:  # XLA einsum, GQA by reshaping the query heads
+                B, _, Hq, D = q.shape
+                Hkv = ks[layer].shape[2]
+                qq = q.reshape(B, Hkv, Hq // Hkv, D).astype(jnp.float32) / math.sqrt(D)
+                s = jnp.einsum("bhnd,bthd->bhnt", qq.astype(jnp.float16), ks[layer],
+                               preferred_element_type=jnp.float32)
+                p = jax.nn.softmax(s, axis=-1).astype(jnp.float16)
+                o = jnp.einsum("bhnt,bthd->bhnd", p, vs[layer],
+                               preferred_element_type=jnp.float32).reshape(B, 1, Hq, D)
+            acc = acc + o.astype(jnp.float32)
+        return acc
+    return jax.jit(run)
+
+
+def check(out_rows):
+    """GPU correctness of the production kernel vs the float32 twin on fresh random inputs."""
+    cfgs = [  # (B, Hq, Hkv, D, T, kb, vb, G, dtype)
+        (2, 32, 8, 128, 4096, 2, 2, 128, jnp.float16),
+        (2, 32, 8, 128, 4096, 2, 2, 32, jnp.bfloat16),
+        (2, 32, 8, 128, 4096, 4, 4, 128, jnp.float16),
+        (2, 32, 8, 128, 4096, 4, 2, 32, jnp.bfloat16),
+        (3, 16, 16, 64, 2048, 2, 4, 64, jnp.float16),
+        (2, 64, 4, 128, 2048, 2, 2, 64, jnp.bfloat16),
+    ]
+    ok_all = True
+    for i, (B, Hq, Hkv, D, T, kb, vb, G, dt) in enumerate(cfgs):
+        key = jax.random.key(100 + i)
+        L = 3
+        cache = make_cache(key, L, B, Hkv, D, T, kb, vb, G)
+        q = jax.random.normal(jax.random.fold_in(key, 7), (B, Hq, D), jnp.float32).astype(dt)
+        nt = jnp.asarray(np.random.default_rng(i).integers(0, T + 1, B), jnp.int32).at[0].set(0)
+        nt = nt.at[-1].set(T - 37)
+        kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+        o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw)
+        o2, lse2 = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw)
+        ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(2), **kw)
+        o, ro = np.asarray(o), np.asarray(ro)
+        err = float(np.abs(o - ro).max() / max(1e-6, np.abs(ro).max()))
+        fin = np.isfinite(np.asarray(rlse))
+        lerr = float(np.abs(np.asarray(lse)[fin] - np.asarray(rlse)[fin]).max())
+        same_inf = bool((np.isfinite(np.asarray(lse)) == fin).all())
+        det = bool((np.asarray(o2) == o).all() and (np.asarray(lse2) == np.asarray(lse)).all())
+        ok = err < 5e-3 and lerr < 5e-3 and same_inf and det and np.isfinite(o).all()
+        ok_all &= ok
+        row = dict(kind="check", B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb, vb=vb, G=G,
+                   dtype=jnp.dtype(dt).name, rel_err=err, lse_err=lerr, det=det, ok=ok)
+        out_rows.append(row)
+        log("check", row)
+    return ok_all
+
+
+def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15):
+    qb = quant_bytes(B, Hkv, D, T, kb, vb, G)
+    L = layers_for(qb)
+    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G)
+    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
+    nt = jnp.full((B,), T, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+    tun = tuning or kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=vb, group_size=G)
+    t, _ = time_layers(kivi_fn(L, kw, tun), (q, nt, *cache), reps=reps)
+    del cache
+    return dict(kind=label, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb, vb=vb, G=G,
+                tuning=str(tun), ms=1e3 * t / L, TBps=qb * L / t / 1e12, bytes=qb, L=L)
+
+
+def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
+    nbytes = 2 * B * T * Hkv * D * 2
+    L = layers_for(nbytes)
+    key = jax.random.key(3)
+    ks = [jax.random.normal(jax.random.fold_in(key, i), (B, T, Hkv, D), jnp.float16)
+          for i in range(L)]
+    vs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (B, T, Hkv, D), jnp.float16)
+          for i in range(L)]
+    q = jax.random.normal(jax.random.key(4), (B, 1, Hq, D), jnp.float16)
+    t, _ = time_layers(fp16_fn(L, impl), (q, ks, vs), reps=reps)
+    del ks, vs
+    return dict(kind=impl, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, ms=1e3 * t / L,
+                TBps=nbytes * L / t / 1e12, bytes=nbytes, L=L)
+
+
+def bench_reference(B, Hq, Hkv, D, T, kb, vb, G):
+    qb = quant_bytes(B, Hkv, D, T, kb, vb, G)
+    L = 2
+    cache = make_cache(jax.random.key(5), L, B, Hkv, D, T, kb, vb, G)
+    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
+    nt = jnp.full((B,), T, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+
+    def run(q, nt, *cache):
+        return sum(kd.kivi_decode_reference(q, *cache, nt, jnp.int32(i), **kw)[0]
+                   for i in range(L))
+    t, _ = time_layers(jax.jit(run), (q, nt, *cache), reps=5)
+    return dict(kind="jnp-ref", B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb, vb=vb, G=G,
+                ms=1e3 * t / L, TBps=qb * L / t / 1e12, bytes=qb, L=L)
+
+
+def tune(rows, deadline):
+    B, Hq, Hkv, D, T = 8, 32, 8, 128, 131072
+    base = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T)
+    r = bench_fp16(B, Hq, Hkv, D, T, "cudnn")
+    rows.append(r)
+    log(r)
+    TC = kd.TuningConfig
+    variants = [
+        (2, 2, 128, None),
+        (2, 2, 128, TC(256, 8, 2)), (2, 2, 128, TC(256, 8, 4)), (2, 2, 128, TC(256, 4, 3)),
+        (2, 2, 128, TC(256, 16, 3)), (2, 2, 128, TC(512, 8, 3)), (2, 2, 128, TC(512, 4, 2)),
+        (2, 2, 128, TC(256, 8, 3, swizzle_codes=True)),
+        (2, 2, 128, TC(256, 8, 3, skip="compute")), (2, 2, 128, TC(256, 8, 3, skip="values")),
+        (2, 2, 32, None), (2, 2, 32, TC(256, 16, 3)),
+        (4, 4, 128, None), (4, 4, 128, TC(128, 8, 3)), (4, 4, 128, TC(256, 16, 3)),
+        (4, 2, 32, None),
+    ]
+    for kb, vb, G, tun in variants:
+        if time.time() > deadline:
+            log("tune: time cap reached")
+            break
+        try:
+            r = bench_point(**base, kb=kb, vb=vb, G=G, tuning=tun, label="kivi-tune")
+            r["speedup_vs_cudnn"] = rows[0]["ms"] / r["ms"]
+        except Exception as e:  # keep going: one bad variant should not lose the others
+            r = dict(kind="kivi-tune", kb=kb, vb=vb, G=G, tuning=str(tun), error=repr(e)[:400])
+        rows.append(r)
+        log(r)
+
+
+def grid(rows, deadline, batches, ref_max_bytes=2e9):
+    shapes = [(32, 8, 128), (64, 8, 128)]
+    ts = [8192, 32768, 131072]
+    bitsg = [(2, 128), (2, 32), (4, 128), (4, 32)]
+    for B in batches:
+        for Hq, Hkv, D in shapes:
+            for T in ts:
+                if time.time() > deadline:
+                    log("grid: time cap reached")
+                    return
+                base = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T)
+                fp = {}
+                for impl in ("cudnn", "xla"):
+                    try:
+                        fp[impl] = bench_fp16(**base, impl=impl, reps=10)
+                    except Exception as e:
+                        fp[impl] = dict(kind=impl, **base, error=repr(e)[:300])
+                    rows.append(fp[impl])
+                    log(fp[impl])
+                for kb, G in bitsg:
+                    try:
+                        r = bench_point(**base, kb=kb, vb=kb, G=G, reps=10)
+                        if "ms" in fp["cudnn"]:
+                            r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
+                    except Exception as e:
+                        r = dict(kind="kivi", **base, kb=kb, vb=kb, G=G, error=repr(e)[:300])
+                    rows.append(r)
+                    log(r)
+                if B == 8 and Hq == 32 and T == 32768:  # the jnp twin at one point only
+                    rows.append(bench_reference(**base, kb=2, vb=2, G=128))
+                    log(rows[-1])
+
+
+def table(rows):
+    lines = ["| B | Hq/Hkv/D | T | impl | bits | G | ms | TB/s | x cuDNN |", "|" + "---|" * 9]
+    for r in rows:
+        if r.get("kind") == "check" or "ms" not in r:
+            continue
+        lines.append(
+            f"| {r['B']} | {r['Hq']}/{r['Hkv']}/{r['D']} | {r['T'] // 1024}k | {r['kind']} | "
+            f"{r.get('kb', 16)}/{r.get('vb', 16)} | {r.get('G', '-')} | {r['ms']:.3f} | "
+            f"{r['TBps']:.2f} | {r.get('speedup_vs_cudnn', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="grid", help="comma list of check,tune,grid")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--budget_s", type=float, default=500)
+    a = ap.parse_args()
+    deadline = time.time() + a.budget_s
+    log(jax.devices(), jax.__version__)
+    rows = []
+    modes = a.mode.split(",")
+    try:
+        if "dump" in modes:  # one small launch, for MOSAIC_GPU_DUMP_* (SASS, ptxas resources)
+            rows.append(bench_point(2, 32, 8, 128, 8192, 2, 2, 128, reps=3))
+        if "check" in modes:
+            log("CHECK", "PASS" if check(rows) else "FAIL")
+        if "tune" in modes:
+            tune(rows, deadline)
+        if "grid" in modes:
+            grid(rows, deadline, [int(b) for b in a.batches.split(",")])
+    finally:
+        with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        log(table(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
