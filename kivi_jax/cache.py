@@ -298,7 +298,7 @@ class QuantizedStore:
             new_min = jnp.zeros_like(self.minimum).at[..., :s_pad].set(mn[..., :tq])
         # Residual slot j holds the token at the one position p of the window with p % W == j.
         if w == 0:
-            res = self.residual
+            res = jnp.zeros_like(self.residual)  # a new array: never alias the input cache's
         else:
             j = jnp.arange(w)
             if self.axis == "channel":

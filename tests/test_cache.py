@@ -1,0 +1,224 @@
+"""KiviCache / DenseCache: streaming equals bulk prefill, memory accounting, capacity, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import kivi_jax as kj
+
+L, H, D = 2, 2, 64
+
+
+def _random_kv(seed, b, s, d=D):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k1, (L, b, H, s, d)), jax.random.normal(k2, (L, b, H, s, d)) * 2 + 0.5
+
+
+@functools.cache
+def _append_fn():
+    return jax.jit(lambda c, k, v: c.append(k, v), donate_argnums=0)
+
+
+def _assert_trees_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+CONFIGS = [
+    kj.KiviConfig(2, 2, group_size=32, residual_length=128),
+    kj.KiviConfig(4, 2, group_size=64, residual_length=64),
+    kj.KiviConfig(2, 4, group_size=32, residual_length=0),
+    kj.KiviConfig(8, 8, group_size=16, residual_length=32),
+    kj.KiviConfig(2, 2, group_size=32, residual_length=32, key_axis="token"),
+    kj.KiviConfig(2, 2, group_size=32, residual_length=64, value_axis="channel"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_streaming_appends_equal_bulk_prefill_bit_for_bit(config):
+    # Ragged rows start at lengths on both sides of group and residual boundaries, then stream
+    # enough tokens to cross several flushes; the result must equal one bulk prefill.
+    starts = np.array([0, 31, 128, 161])
+    steps = 140
+    b = len(starts)
+    total = int(starts.max()) + steps
+    k, v = _random_kv(0, b, total)
+    empty = kj.KiviCache.init(
+        config, num_layers=L, batch=b, kv_heads=H, head_dim=D, max_len=total + 5, dtype=jnp.float32
+    )
+    cache = empty.prefill(k, v, jnp.asarray(starts, jnp.int32))
+    rows = jnp.arange(b)
+    for i in range(steps):
+        pos = jnp.asarray(starts + i)
+        kt = k[:, rows, :, pos].transpose(1, 0, 2, 3)  # [L, B, H, D]
+        vt = v[:, rows, :, pos].transpose(1, 0, 2, 3)
+        cache = _append_fn()(cache, kt, vt)
+    # Bulk: each row's own token sequence, right-aligned to its length.
+    ends = starts + steps
+    bulk = empty.prefill(k, v, jnp.asarray(ends, jnp.int32))
+    _assert_trees_equal(cache, bulk)
+
+
+def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
+    config = kj.KiviConfig(2, 2, group_size=32, residual_length=128)
+    k, v = _random_kv(1, 3, 300)
+    lengths = jnp.array([300, 127, 256], jnp.int32)
+    c = kj.KiviCache.init(
+        config, num_layers=L, batch=3, kv_heads=H, head_dim=D, max_len=300, dtype=jnp.float32
+    ).prefill(k, v, lengths)
+    # keys: whole blocks of R quantized; values: all but the newest R.
+    np.testing.assert_array_equal(c.keys.num_quantized(c.lengths), [256, 0, 256])
+    np.testing.assert_array_equal(c.values.num_quantized(c.lengths), [172, 0, 128])
+    # The residual holds the newest tokens exactly (full precision).
+    np.testing.assert_array_equal(c.keys.residual[:, 0, :, : 300 - 256], k[:, 0, :, 256:300])
+    slots = np.arange(300 - 128, 300) % 128
+    np.testing.assert_array_equal(
+        np.asarray(c.values.residual)[:, 0][:, :, slots], v[:, 0, :, 172:300]
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=str)
+def test_nbytes_matches_the_formula(config):
+    b, max_len = 3, 1000
+    c = kj.KiviCache.init(
+        config, num_layers=4, batch=b, kv_heads=8, head_dim=D, max_len=max_len, dtype=jnp.bfloat16
+    )
+    tq = c.keys.capacity
+    assert tq >= max_len and tq % 256 == 0
+    g = config.group_size
+    bits = (config.key_bits + config.value_bits) / 2
+    per_token = 2 * 4 * 8 * D * (bits + 2 * 16 / g) / 8  # bytes per quantized token, K and V
+    window = max(config.residual_length, g) + config.residual_length
+    residual = 4 * b * 8 * window * D * 2
+    nb = c.nbytes()
+    assert nb.codes + nb.scales == per_token * tq * b
+    assert nb.residual == residual
+    assert nb.total == per_token * tq * b + residual + b * 4
+    dense = kj.DenseCache.init(
+        num_layers=4, batch=b, kv_heads=8, head_dim=D, max_len=max_len, dtype=jnp.float16
+    )
+    assert dense.nbytes().total == 2 * 4 * b * 8 * max_len * D * 2 + b * 4
+
+
+def test_decode_steps_do_not_recompile():
+    config = kj.KiviConfig(2, 2, group_size=32, residual_length=32)
+    c = kj.KiviCache.init(
+        config, num_layers=L, batch=2, kv_heads=H, head_dim=D, max_len=200, dtype=jnp.float32
+    )
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, k, v, q):
+        cache = cache.advance()
+        cache = jax.lax.fori_loop(0, L, lambda l, c: c.write(l, k[l], v[l]), cache)
+        return cache, kj.decode_attention(q, cache, 1, implementation="reference")
+
+    k, v = _random_kv(2, 2, 70)
+    q = jax.random.normal(jax.random.key(9), (2, 4, D))
+    for t in range(70):
+        c, out = step(c, k[:, :, :, t], v[:, :, :, t], q)
+    assert step._cache_size() == 1
+    assert np.all(np.isfinite(out))
+
+
+def test_appending_past_capacity_raises_outside_jit():
+    c = kj.make_cache("kivi2", num_layers=1, batch=1, kv_heads=1, head_dim=D, max_len=3)
+    tok = jnp.ones((1, 1, 1, D))
+    for _ in range(3):
+        c = c.append(tok, tok)
+    with pytest.raises(ValueError, match="max_len=3"):
+        c.append(tok, tok)
+    with pytest.raises(ValueError, match="max_len"):
+        kj.make_cache("fp16", num_layers=1, batch=1, kv_heads=1, head_dim=D, max_len=3).prefill(
+            jnp.ones((1, 1, 1, 4, D)), jnp.ones((1, 1, 1, 4, D)), jnp.array([4])
+        )
+
+
+@pytest.mark.parametrize("name", ["kivi2", "fp16"])
+def test_overflow_inside_jit_drops_tokens_and_flags_the_row(name):
+    c = kj.make_cache(
+        name,
+        num_layers=1,
+        batch=2,
+        kv_heads=H,
+        head_dim=D,
+        max_len=40,
+        dtype=jnp.float32,
+        residual_length=32,
+    )
+    k, v = _random_kv(3, 2, 40)
+    c = c.prefill(k[:1], v[:1], jnp.array([40, 10], jnp.int32))
+    before = c
+    step = jax.jit(lambda c, k, v: c.append(k, v))
+    tok = jnp.full((1, 2, H, D), 7.0)
+    after = step(c, tok, tok)
+    np.testing.assert_array_equal(after.overflowed, [True, False])
+    with pytest.raises(ValueError, match="rows \\[0\\]"):
+        kj.check_capacity(after)
+    # Row 0's stored tokens are untouched; row 1 took the token.
+    q = jax.random.normal(jax.random.key(0), (2, H, D))
+    o_before = kj.decode_attention(q, before, 0, implementation="reference")
+    o_after = kj.decode_attention(q, after, 0, implementation="reference")
+    np.testing.assert_array_equal(o_before[0], o_after[0])
+    assert not np.allclose(o_before[1], o_after[1])
+    err, _ = checkify.checkify(step, errors=checkify.user_checks)(c, tok, tok)
+    with pytest.raises(Exception, match="overflow"):
+        err.throw()
+
+
+def test_bad_shapes_and_dtypes_raise_naming_the_argument():
+    cfg = kj.KiviConfig()
+    with pytest.raises(ValueError, match="head_dim"):
+        kj.KiviCache.init(cfg, num_layers=1, batch=1, kv_heads=1, head_dim=48, max_len=8)
+    with pytest.raises(ValueError, match="max_len"):
+        kj.KiviCache.init(cfg, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=0)
+    with pytest.raises(ValueError, match="dtype"):
+        kj.KiviCache.init(
+            cfg, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8, dtype=jnp.int8
+        )
+    with pytest.raises(ValueError, match="config"):
+        kj.KiviCache.init(
+            {"key_bits": 2}, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8
+        )
+    c = kj.KiviCache.init(cfg, num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=64)
+    good = jnp.ones((2, 2, 2, 8, 64))
+    with pytest.raises(ValueError, match="^k "):
+        c.prefill(jnp.ones((2, 2, 3, 8, 64)), good, jnp.array([8, 8]))
+    with pytest.raises(ValueError, match="^v "):
+        c.prefill(good, jnp.ones((2, 2, 2, 8)), jnp.array([8, 8]))
+    with pytest.raises(ValueError, match="lengths"):
+        c.prefill(good, good, jnp.array([8.0, 8.0]))
+    with pytest.raises(ValueError, match="lengths"):
+        c.prefill(good, good, jnp.array([9, 8]))
+    with pytest.raises(ValueError, match="floating"):
+        c.prefill(good.astype(jnp.int32), good, jnp.array([8, 8]))
+    with pytest.raises(ValueError, match="^k "):
+        c.advance().write(0, jnp.ones((2, 2, 32)), jnp.ones((2, 2, 64)))
+    with pytest.raises(ValueError, match="layer"):
+        c.advance().write(5, jnp.ones((2, 2, 64)), jnp.ones((2, 2, 64)))
+    with pytest.raises(ValueError, match="unknown cache name 'kivi3'"):
+        kj.make_cache("kivi3", num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8)
+
+
+def test_named_caches():
+    assert kj.cache_config("fp16") is None
+    assert kj.cache_config("kivi2") == kj.KiviConfig(2, 2, 32, 128)
+    assert kj.cache_config("k4v2", 64, 0) == kj.KiviConfig(4, 2, 64, 0)
+    assert kj.cache_config("pertoken2").key_axis == "token"
+    assert kj.cache_config("valchannel2").value_axis == "channel"
+    for name in kj.CACHE_NAMES:
+        c = kj.make_cache(name, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8)
+        assert c.nbytes().total > 0
+
+
+def test_cache_is_a_pytree_with_static_config():
+    c = kj.make_cache("kivi4", num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8)
+    leaves, tree = jax.tree.flatten(c)
+    assert len(leaves) == 9  # 4 arrays per store, plus lengths
+    again = jax.tree.unflatten(tree, leaves)
+    assert again.config == c.config and again.max_len == 8
