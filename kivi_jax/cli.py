@@ -26,3 +26,6 @@ def version() -> None:
 
 
 # Subcommand registrations (one line each, owned by the module that implements the command).
+from models.cli_generate import generate as _generate  # noqa: E402
+
+app.command("generate")(_generate)

@@ -32,6 +32,23 @@ MAX_STOP_IDS = 8  # stop ids are padded to this many so their count never change
 # CPU backends cannot donate; the warning says so on every call.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
+_COMPILE = {"seconds": 0.0, "count": 0}
+
+
+def _on_event(name: str, seconds: float, **_):
+    if name.startswith("/jax/core/compile/"):
+        _COMPILE["seconds"] += seconds
+        if name == "/jax/core/compile/backend_compile_duration":
+            _COMPILE["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_stats() -> tuple[int, float]:
+    """(backend compilations, seconds spent tracing, lowering and compiling) in this process."""
+    return _COMPILE["count"], _COMPILE["seconds"]
+
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """The smallest power of two >= max(n, minimum)."""
@@ -192,8 +209,9 @@ class Generation:
     cache_bytes: int  # bytes of the cache as allocated
     dense16_cache_bytes: int  # a 16-bit dense cache of the same capacity
     max_len: int
-    prefill_seconds: float
-    decode_seconds: float
+    prefill_seconds: float  # wall time of the prefill call, compilation excluded
+    decode_seconds: float  # wall time of the decode loop, compilation excluded
+    compile_seconds: float  # tracing + compiling during this call (0 when all were cached)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -278,10 +296,12 @@ def generate(
     dense16_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense16))
     cache_bytes = c.nbytes().total
 
+    _, comp0 = compile_stats()
     t0 = time.perf_counter()
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     logits.block_until_ready()
     t1 = time.perf_counter()
+    _, comp1 = compile_stats()
     state = decode_loop_jit(
         params,
         logits,
@@ -297,6 +317,7 @@ def generate(
     out = np.asarray(state.tokens)
     steps = int(state.step)
     t2 = time.perf_counter()
+    _, comp2 = compile_stats()
     kivi_jax.check_capacity(state.cache)
     stops = set(int(s) for s in stop_ids)
     rows, stopped = [], []
@@ -311,8 +332,9 @@ def generate(
         cache_bytes=int(cache_bytes),
         dense16_cache_bytes=int(dense16_bytes),
         max_len=max_len,
-        prefill_seconds=t1 - t0,
-        decode_seconds=t2 - t1,
+        prefill_seconds=t1 - t0 - (comp1 - comp0),
+        decode_seconds=t2 - t1 - (comp2 - comp1),
+        compile_seconds=comp2 - comp0,
     )
 
 

@@ -1,0 +1,147 @@
+"""`kivi-jax generate`: text generation through a dense or KIVI-quantized KV cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import typer
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt (a user message)."),
+    model: str = typer.Option(
+        "smollm2", "--model", "-m", help="Model name (smollm2), a .gguf file or a HF directory."
+    ),
+    cache: str = typer.Option(
+        "kivi2", "--cache", help="KV cache: fp16 (dense, model dtype), kivi2, kivi4, k4v2, ..."
+    ),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
+    greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (the default)."),
+    temperature: float | None = typer.Option(
+        None, "--temperature", "-t", help="Sample at this temperature (turns off greedy)."
+    ),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely (0: off)."),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    no_chat_template: bool = typer.Option(
+        False, "--no-chat-template", help="Feed the prompt as raw text."
+    ),
+    group_size: int = typer.Option(32, "--group-size", help="KIVI group size G."),
+    residual_length: int = typer.Option(128, "--residual-length", help="KIVI residual R."),
+    implementation: str = typer.Option(
+        "auto", "--implementation", help="decode attention: auto, reference, folded, pallas."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Generate text with SmolLM2 (or another Llama-family model) over a quantized KV cache."""
+    import jax
+    import jax.numpy as jnp
+
+    import kivi_jax
+    from kivi_jax import memory
+    from models import generate as gen
+    from models.loader import load_model
+
+    if cache not in kivi_jax.CACHE_NAMES:
+        raise typer.BadParameter(
+            f"unknown cache {cache!r}; choose one of {', '.join(kivi_jax.CACHE_NAMES)}",
+            param_hint="--cache",
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    if greedy and (temperature is not None or top_p is not None or top_k):
+        raise typer.BadParameter("--greedy excludes --temperature/--top-p/--top-k")
+    sampling = gen.GREEDY
+    if temperature is not None or top_p is not None or top_k:
+        sampling = gen.Sampling(
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k,
+        )
+
+    status = sys.stderr
+    t0 = time.perf_counter()
+    try:
+        config, params, tok = load_model(model, jnp.dtype(dtype), progress=not json_out)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if tok is None:
+        typer.echo(f"error: {model} has no tokenizer (tokenizer.json)", err=True)
+        raise typer.Exit(2)
+    load_s = time.perf_counter() - t0
+    text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
+    ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
+    cfg_kw = dict(group_size=group_size, residual_length=residual_length)
+    kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
+    if not json_out:
+        print(
+            f"{config.name} ({dtype}), {cache} cache, {len(ids)} prompt tokens, "
+            f"{jax.default_backend()} ({load_s:.1f} s to load)",
+            file=status,
+        )
+    try:
+        out = gen.generate(
+            params,
+            config,
+            [ids],
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_ids=tok.eos_ids,
+            seed=seed,
+            implementation=implementation,
+            **cfg_kw,
+        )
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    new = out.tokens[0]
+    text = tok.decode(new)
+    shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim)
+    held = len(ids) + len(new) - 1  # the last token is never written to the cache
+    per_tok = memory.bytes_per_token(shape, kcfg)
+    per_tok16 = memory.bytes_per_token(shape, None)
+    result = dict(
+        model=config.name,
+        cache=cache,
+        dtype=dtype,
+        prompt=prompt,
+        prompt_tokens=len(ids),
+        generated_tokens=new,
+        text=text,
+        stopped=out.stopped[0],
+        cache_bytes=out.cache_bytes,
+        fp16_cache_bytes=out.dense16_cache_bytes,
+        cache_max_len=out.max_len,
+        tokens_held=held,
+        bytes_per_token=per_tok,
+        fp16_bytes_per_token=per_tok16,
+        prefill_seconds=round(out.prefill_seconds, 4),
+        decode_seconds=round(out.decode_seconds, 4),
+        compile_seconds=round(out.compile_seconds, 4),
+        decode_tokens_per_second=round(out.decode_tokens_per_second, 2),
+        backend=jax.default_backend(),
+        implementation=implementation,
+    )
+    if json_out:
+        print(json.dumps(result))
+        return
+    print(text)
+    print(
+        f"\n{len(new)} tokens; decode {out.decode_tokens_per_second:.1f} tokens/s "
+        f"(prefill {out.prefill_seconds:.2f} s, decode {out.decode_seconds:.2f} s, "
+        f"compilation {out.compile_seconds:.1f} s not counted)",
+        file=status,
+    )
+    print(
+        f"cache as allocated for {out.max_len} tokens: {memory.format_bytes(out.cache_bytes)} "
+        f"vs {memory.format_bytes(out.dense16_cache_bytes)} for a 16-bit dense cache; "
+        f"per cached token {per_tok:.0f} B vs {per_tok16:.0f} B "
+        f"({per_tok16 / per_tok:.2f}x smaller once past the residual window of "
+        f"{residual_length if kcfg else 0} tokens)",
+        file=status,
+    )
