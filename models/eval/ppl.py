@@ -254,11 +254,11 @@ def _full_fn(model_config, prefill_len: int, kivi_config):
 
     transform = qdq_transform(kivi_config)
 
-    def run(params, windows, cache):
+    def run(params, windows):
         b, w = windows.shape
         lengths = jnp.full((b,), w, jnp.int32)
         logits, _ = prefill(
-            params, model_config, windows, lengths, cache, all_logits=True, kv_transform=transform
+            params, model_config, windows, lengths, None, all_logits=True, kv_transform=transform
         )
         # logits[:, i] predicts token i + 1: score tokens P .. W-1.
         return _target_nll(logits[:, prefill_len - 1 : w - 1], windows[:, prefill_len:])
@@ -287,12 +287,9 @@ def full_window_nll(
     if kivi_config is not None:
         kivi_config.check_head_dim(model_config.head_dim)
     fn = _full_fn(model_config, prefill_len, kivi_config)
-    dtype = _model_dtype(params)
-    dense = CacheSpec("fp16")
     out = []
     for sl in _batches(n, batch_size):
-        cache = dense.make(model_config, batch=sl.stop - sl.start, max_len=w, dtype=dtype)
-        out.append(np.asarray(fn(params, jnp.asarray(windows[sl]), cache)))
+        out.append(np.asarray(fn(params, jnp.asarray(windows[sl]))))
     return np.concatenate(out, axis=0)
 
 

@@ -1,0 +1,164 @@
+"""The perplexity protocols and passkey generation on a tiny random Llama (CPU, float32)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.eval import passkey, ppl
+from models.llama import decode_step, init_params, prefill
+from models.presets import ModelConfig
+
+TINY = ModelConfig(
+    name="tiny",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
+P, T, N = 40, 24, 3
+
+
+@functools.cache
+def tiny_params():
+    return init_params(TINY, jax.random.key(0), jnp.float32)
+
+
+@functools.cache
+def tiny_windows():
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, TINY.vocab_size, size=N * (P + T) + 7).tolist()
+    return ppl.make_windows(toks, P, T, N)
+
+
+@functools.cache
+def dense_full():
+    return ppl.full_window_nll(tiny_params(), TINY, tiny_windows(), prefill_len=P)
+
+
+def streaming(name, g=32, r=32, batch_size=None):
+    return ppl.streaming_nll(
+        tiny_params(),
+        TINY,
+        tiny_windows(),
+        ppl.CacheSpec(name, g, r),
+        prefill_len=P,
+        batch_size=batch_size,
+    )
+
+
+def test_dense_streaming_equals_full_window_perplexity():
+    full = dense_full()
+    assert full.shape == (N, T)
+    got = streaming("fp16")
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
+    assert ppl.perplexity(got) == pytest.approx(ppl.perplexity(full), rel=1e-5)
+
+
+def test_kivi_with_residual_covering_the_window_is_dense():
+    # R = 64 >= P + T - 1 tokens ever held: nothing is quantized, so the result is the dense one.
+    np.testing.assert_allclose(streaming("kivi2", 32, 64), dense_full(), rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_streaming_differs_and_matches_a_plain_generation_loop():
+    got = streaming("kivi2", 32, 0)
+    assert np.abs(got - dense_full()).max() > 1e-3  # the 2-bit cache is really used
+    # Each window on its own, one decode step per call, as generation does it.
+    params, w = tiny_params(), tiny_windows()
+    step = jax.jit(decode_step, static_argnums=1)
+    spec = ppl.CacheSpec("kivi2", 32, 0)
+    for i in range(N):
+        row = jnp.asarray(w[i : i + 1])
+        cache = spec.make(TINY, batch=1, max_len=P + T, dtype=jnp.float32)
+        logits, cache = prefill(params, TINY, row[:, :P], jnp.array([P], jnp.int32), cache)
+        want = [ppl._target_nll(logits, row[:, P])[0]]
+        for t in range(P, P + T - 1):
+            logits, cache = step(params, TINY, row[:, t], cache)
+            want.append(ppl._target_nll(logits, row[:, t + 1])[0])
+        np.testing.assert_allclose(got[i], np.asarray(want), rtol=1e-4, atol=1e-4)
+    # Batching over windows does not change the numbers.
+    np.testing.assert_allclose(streaming("kivi2", 32, 0, batch_size=2), got, rtol=1e-5, atol=1e-5)
+
+
+def test_simulated_protocol():
+    params, w = tiny_params(), tiny_windows()
+    sim = functools.partial(ppl.full_window_nll, params, TINY, w, prefill_len=P)
+    d = dense_full()
+    k8 = sim(kivi_config=ppl.CacheSpec("kivi8").config())
+    k2 = sim(kivi_config=ppl.CacheSpec("kivi2").config())
+    err8, err2 = np.abs(k8 - d).mean(), np.abs(k2 - d).mean()
+    assert 0 < err8 < err2  # 8 bits is closer to dense than 2 bits, and neither is exact
+    assert err8 < 0.01
+
+
+def test_evaluate_ppl_json_and_errors():
+    toks = tiny_windows().ravel().tolist()
+    out = ppl.evaluate_ppl(
+        tiny_params(),
+        TINY,
+        toks,
+        ppl.CacheSpec("fp16"),
+        prefill_len=P,
+        decode_len=T,
+        windows=N,
+        max_positions=TINY.max_position_embeddings,
+    )
+    for key in ("ppl", "n_tokens", "protocol", "prefill", "decode", "windows", "cache"):
+        assert key in out
+    assert out["n_tokens"] == N * T and out["protocol"] == "streaming"
+    assert out["ppl"] == pytest.approx(ppl.perplexity(dense_full()), rel=1e-4)
+    sim = ppl.evaluate_ppl(
+        tiny_params(),
+        TINY,
+        toks,
+        ppl.CacheSpec("kivi4", 32, 0),
+        protocol="simulated",
+        prefill_len=P,
+        decode_len=T,
+        windows=N,
+    )
+    assert sim["key_bits"] == 4 and sim["bits_per_element"] == 5.0
+    with pytest.raises(ValueError, match="longer than the model's context of 128"):
+        ppl.evaluate_ppl(
+            tiny_params(),
+            TINY,
+            toks,
+            ppl.CacheSpec("fp16"),
+            prefill_len=100,
+            decode_len=29,
+            windows=1,
+            max_positions=128,
+        )
+    with pytest.raises(ValueError, match="unknown cache name"):
+        ppl.evaluate_ppl(
+            tiny_params(), TINY, toks, ppl.CacheSpec("int3"), prefill_len=P, decode_len=T, windows=N
+        )
+    with pytest.raises(ValueError, match="protocol"):
+        ppl.evaluate_ppl(tiny_params(), TINY, toks, ppl.CacheSpec("fp16"), protocol="oneshot")
+
+
+def test_greedy_generate_matches_eager_argmax_loop():
+    params = tiny_params()
+    prompts = [list(range(5, 25)), list(range(30, 41))]  # ragged: right-padded in one batch
+    spec = ppl.CacheSpec("kivi2", 32, 0)
+    out = passkey.greedy_generate(params, TINY, prompts, spec, max_new_tokens=4)
+    assert out.shape == (2, 4)
+    for i, p in enumerate(prompts):
+        cache = spec.make(TINY, batch=1, max_len=len(p) + 4, dtype=jnp.float32)
+        logits, cache = prefill(
+            params, TINY, jnp.asarray([p], jnp.int32), jnp.array([len(p)], jnp.int32), cache
+        )
+        toks = [int(jnp.argmax(logits[0]))]
+        for _ in range(3):
+            logits, cache = jax.jit(decode_step, static_argnums=1)(
+                params, TINY, jnp.asarray([toks[-1]], jnp.int32), cache
+            )
+            toks.append(int(jnp.argmax(logits[0])))
+        assert out[i].tolist() == toks
