@@ -50,7 +50,10 @@ class TuningConfig:
     block_tokens: tokens per pipeline step (a multiple of 64 * codes-per-byte of both K and V
       and of the group size). num_splits: thread blocks per (b, h) along the token axis.
     stages: TMA buffers in flight. swizzle_codes: keep the code tiles swizzled in SMEM (fewer
-      bank conflicts on the register loads). skip: benchmark-only ablation ("" for the real
+      bank conflicts on the register loads). overlap: dequantize the next plane while the
+      current plane's wgmma runs (wait(1) instead of wait(0)). p_direct: store P^T
+      in the accumulator layout (N padded to 16 for the 32-byte swizzle) instead of transposing it
+      through shuffles (N padded to 8). skip: benchmark-only ablation ("" for the real
       kernel; "compute" keeps only the load pipeline; "values" drops the value path).
     """
 
@@ -58,6 +61,8 @@ class TuningConfig:
     num_splits: int = 8
     stages: int = 3
     swizzle_codes: bool = False
+    overlap: bool = True
+    p_direct: bool = True
     skip: str = ""
 
     def __post_init__(self):
@@ -78,27 +83,43 @@ def _min_block(key_bits: int, value_bits: int) -> int:
     return PLANE * max(8 // key_bits, 8 // value_bits)
 
 
+def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_size: int,
+               head_dim: int = 128, padded_heads: int = 16) -> int:
+    """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
+    TS, D, G = tuning.block_tokens, head_dim, group_size
+    step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
+    return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096
+
+
 def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
-    group_size: int = 128, num_sms: int = 132,
+    group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
-    Splits: enough thread blocks for about two waves of two blocks per SM, but never fewer than
-    ~4 steps per split (the pipeline prologue costs about one step). See docs/performance.md for
-    the measurements behind the choices.
+    Steps of 256 tokens (4-bit K and V: 128), 3 stages. Splits: the grid is B * Hkv * S blocks
+    run in waves of num_sms * (blocks per SM); S minimizes waves * (steps per split + 2), the
+    2 standing for a block's fixed cost (prologue, epilogue) in steps. Measured on the H200
+    (docs/performance.md): at B=8, T=128k a grid that leaves the last wave mostly empty was
+    up to 1.4x slower than a full one.
     """
-    blk = max(_min_block(key_bits, value_bits), 256, group_size)
-    while max_tokens % blk:
-        blk //= 2
-    if blk < _min_block(key_bits, value_bits) or blk < group_size:
-        raise ValueError(
-            f"max_tokens={max_tokens} is not a multiple of {_min_block(key_bits, value_bits)}")
+    blk = 128 if (key_bits, value_bits) == (4, 4) else 256
+    blk = max(blk, _min_block(key_bits, value_bits), group_size)
+    if max_tokens % blk:
+        raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
-    want_blocks = 4 * num_sms
-    splits = max(1, min(steps // 4, -(-want_blocks // (batch * kv_heads))))
-    splits = max(1, min(splits, steps))
-    return TuningConfig(block_tokens=blk, num_splits=splits, stages=3)
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=3)
+    smem = smem_bytes(base, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                      head_dim=head_dim)
+    per_sm = max(1, min(3, (227 * 1024) // smem))  # ~3 by registers (about 160 per thread)
+    slots = num_sms * per_sm
+    bh = batch * kv_heads
+    best = None
+    for S in range(1, min(steps, 64) + 1):
+        cost = -(-bh * S // slots) * (-(-steps // S) + 2)
+        if best is None or cost < best[0]:
+            best = (cost, S)
+    return dataclasses.replace(base, num_splits=best[1])
 
 
 def _swz(dtype, minor_elems):
@@ -166,35 +187,51 @@ def _make_kernel(
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
 
-        def k_tile(kc_s, ks_s, kz_s, p):
+        def k_tile(kc_s, ks_s, kz_s, p, cache):
             """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
-            row0 = (p // Pk) * PLANE
-            x = kc_s[pl.ds(row0, PLANE), :].astype(jnp.uint16)
-            c = _field_to_f16(x, key_bits, p % Pk)
+            r = p // Pk
+            if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                cache[r] = kc_s[pl.ds(r * PLANE, PLANE), :].astype(jnp.uint16)
+            c = _field_to_f16(cache[r], key_bits, p % Pk)
             sc, mn = _group_vecs(ks_s, kz_s, p * PLANE, (), (PLANE, D), G)
             return c * sc + mn
 
-        def v_tile(vc_s, vs_s, vz_s, p, m):
+        def v_tile(vc_s, vs_s, vz_s, p, m, cache):
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
-            col0 = (p // Pv) * PLANE
-            x = vc_s[pl.ds(m * PLANE, PLANE), pl.ds(col0, PLANE)].astype(jnp.uint16)
-            c = _field_to_f16(x, value_bits, p % Pv)
+            r = (p // Pv, m)
+            if r not in cache:
+                cache[r] = vc_s[pl.ds(m * PLANE, PLANE), pl.ds(r[0] * PLANE, PLANE)].astype(
+                    jnp.uint16)
+            c = _field_to_f16(cache[r], value_bits, p % Pv)
             tok = (p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE)
-            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, tok,
-                                 (PLANE, PLANE), G)
+            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, tok, (PLANE, PLANE), G)
             return c * sc + mn
 
-        def qk(a_tile):
-            def f(acc):
-                if stage_smem:
-                    kd_s[...] = a_tile
+        def scores(kc_s, ks_s, kz_s):
+            """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
+            cache = {}
+            if stage_smem:
+                def f(acc, tile):
+                    kd_s[...] = tile
                     plgpu.commit_smem()
                     plgpu.wgmma(acc, kd_s, q_s.T)
-                else:
-                    plgpu.wgmma(acc, a_tile, q_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+                return [pl.run_scoped(functools.partial(f, tile=k_tile(kc_s, ks_s, kz_s, p, cache)),
+                                      plgpu.ACC((PLANE, NP), jnp.float32))
+                        for p in range(planes)]
+
+            def f(*accs):
+                # Dequantize plane p+1 on the CUDA cores while plane p's wgmma runs.
+                for p in range(planes):
+                    plgpu.wgmma(accs[p], k_tile(kc_s, ks_s, kz_s, p, cache), q_s.T)
+                    if p and tuning.overlap:
+                        plgpu.wgmma_wait(1)
+                    elif not tuning.overlap:
+                        plgpu.wgmma_wait(0)
                 plgpu.wgmma_wait(0)
-                return acc[...]
-            return pl.run_scoped(f, plgpu.ACC((PLANE, NP), jnp.float32))
+                return [a[...] for a in accs]
+            return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
 
         def step(idx, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, carry):
             m_run, l_t, accs = carry
@@ -202,12 +239,9 @@ def _make_kernel(
                 return m_run, l_t, accs
             (i,) = idx
             tok0 = start + i * TS
-            st = []
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-            for p in range(planes):
-                sp = qk(k_tile(kc_s, ks_s, kz_s, p))
-                pos = tok0 + p * PLANE + rows
-                st.append(jnp.where(pos < n, sp, -jnp.inf))
+            st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
+                  for p, x in enumerate(scores(kc_s, ks_s, kz_s))]
             tmax = st[0]
             for x in st[1:]:
                 tmax = jnp.maximum(tmax, x)
@@ -222,17 +256,24 @@ def _make_kernel(
             accs = tuple(a * ab for a in accs)
             if tuning.skip == "values":
                 return m_new, l_t, accs
+            # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads), stored in
+            # the accumulator's own layout: no transpose through shuffles.
             for p in range(planes):
-                p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
+                if tuning.p_direct:
+                    p_s[p] = ps[p].astype(f16)
+                else:
+                    p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
             plgpu.commit_smem()
+            pb = (lambda p: p_s.at[p]) if tuning.p_direct else (lambda p: p_s.at[p].T)
+            cache = {}
             if stage_smem:
                 new = []
                 for mt in range(mtiles):
                     def pv(acc, mt=mt):
                         for p in range(planes):
-                            vd_s[...] = v_tile(vc_s, vs_s, vz_s, p, mt)
+                            vd_s[...] = v_tile(vc_s, vs_s, vz_s, p, mt, cache)
                             plgpu.commit_smem()
-                            plgpu.wgmma(acc, vd_s, p_s.at[p].T)
+                            plgpu.wgmma(acc, vd_s, pb(p))
                             plgpu.wgmma_wait(0)
                         return acc[...]
                     new.append(accs[mt] + pl.run_scoped(pv, plgpu.ACC((PLANE, NP), jnp.float32)))
@@ -241,8 +282,13 @@ def _make_kernel(
                 def pv(acc_refs):
                     for p in range(planes):
                         for mt in range(mtiles):
-                            plgpu.wgmma(acc_refs[mt], v_tile(vc_s, vs_s, vz_s, p, mt), p_s.at[p].T)
-                        plgpu.wgmma_wait(0)
+                            plgpu.wgmma(acc_refs[mt], v_tile(vc_s, vs_s, vz_s, p, mt, cache),
+                                        pb(p))
+                        if p and tuning.overlap:
+                            plgpu.wgmma_wait(mtiles)
+                        elif not tuning.overlap:
+                            plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(0)
                 accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
             return m_new, l_t, accs
 
@@ -285,7 +331,8 @@ def _make_kernel(
 
     scratch = [
         plgpu.SMEM((NP, D), f16, transforms=_swz(f16, D)),
-        plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE)),
+        plgpu.SMEM((planes, PLANE, NP) if tuning.p_direct else (planes, NP, PLANE), f16,
+                   transforms=_swz(f16, NP if tuning.p_direct else PLANE)),
         plgpu.SMEM((D, NP), jnp.float32),
         plgpu.SMEM((NP,), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
@@ -384,7 +431,8 @@ def _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens
     L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                          num_tokens, layer, key_bits, value_bits, group_size)
     nq = Hq // Hkv
-    NP = max(8, -(-nq // 8) * 8)  # wgmma N granularity
+    # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
+    NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
     # sm_scale is applied in float32 before the cast to the fp16 wgmma operand.
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0))).astype(_MMA_DTYPE)
@@ -420,7 +468,8 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     if tuning is None:
         Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
         tuning = choose_tuning(q.shape[0], k_codes.shape[2] if k_codes.ndim == 5 else 1, Tq,
-                               key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+                               key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                               head_dim=q.shape[-1])
     Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
     need = max(_min_block(key_bits, value_bits), group_size)
     if tuning.block_tokens % need:
