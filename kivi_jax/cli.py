@@ -29,3 +29,8 @@ def version() -> None:
 from models.cli_generate import generate as _generate  # noqa: E402
 
 app.command("generate")(_generate)
+from models.eval.cli import eval_app as _eval_app  # noqa: E402
+from models.eval.memory_cli import memory as _memory  # noqa: E402
+
+app.add_typer(_eval_app, name="eval")
+app.command("memory")(_memory)

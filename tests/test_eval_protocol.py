@@ -162,3 +162,60 @@ def test_greedy_generate_matches_eager_argmax_loop():
             )
             toks.append(int(jnp.argmax(logits[0])))
         assert out[i].tolist() == toks
+
+
+def test_shared_prefill_generation_equals_per_cache_generation():
+    params = tiny_params()
+    prompts = [list(range(5, 25)), list(range(30, 71))]
+    specs = [
+        ppl.CacheSpec("fp16"),
+        ppl.CacheSpec("kivi2", 32, 0),
+        ppl.CacheSpec("pertoken2", 32, 0),
+    ]
+    shared = passkey.greedy_generate_shared(params, TINY, prompts, specs, max_new_tokens=4)
+    for spec in specs:
+        want = passkey.greedy_generate(params, TINY, prompts, spec, max_new_tokens=4)
+        np.testing.assert_array_equal(shared[spec], want)
+
+
+class ModTokenizer:
+    """Words to ids modulo the tiny vocab; decode writes the ids (so answers hold digits)."""
+
+    def __init__(self, vocab):
+        self.vocab, self.ids = vocab, {}
+
+    def encode(self, text, add_bos=False):
+        return [self.ids.setdefault(w, len(self.ids) % self.vocab) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def test_evaluate_passkey_runs_every_cache_on_the_same_prompts():
+    specs = [ppl.CacheSpec("fp16"), ppl.CacheSpec("kivi2", 32, 0)]
+    res = passkey.evaluate_passkey(
+        tiny_params(),
+        TINY,
+        ModTokenizer(TINY.vocab_size),
+        specs,
+        lengths=(90, 120),
+        depths=(0.0, 1.0),
+        trials=2,
+        max_new_tokens=3,
+        max_positions=128,
+    )
+    assert [r["cache"] for r in res] == ["fp16", "kivi2"]
+    for r in res:
+        assert [(c["length"], c["depth"]) for c in r["cells"]] == [
+            (90, 0.0),
+            (90, 1.0),
+            (120, 0.0),
+            (120, 1.0),
+        ]
+        assert all(c["prompt_tokens"] <= c["length"] - 3 for c in r["cells"])
+        assert len(r["answers"]) == 8 and 0.0 <= r["accuracy"] <= 1.0
+    assert [a["key"] for a in res[0]["answers"]] == [a["key"] for a in res[1]["answers"]]
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        passkey.evaluate_passkey(
+            tiny_params(), TINY, ModTokenizer(96), specs, lengths=(256,), max_positions=128
+        )

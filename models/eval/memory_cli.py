@@ -82,8 +82,12 @@ def memory(
     dtype_bytes: Annotated[int, typer.Option(help="Bytes of a full-precision element")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
-    """KV-cache bytes per token and in total for each cache config, and what fits beside the
-    weights on the given GPU(s): the most tokens at --batch, the largest batch at --tokens."""
+    """KV-cache bytes per token and in total per cache config, and what fits beside the weights.
+
+    For each cache: bytes per token, the cache's bytes at --tokens x --batch, the most tokens
+    per row at --batch and the largest batch at --tokens that fit on --gpu-memory x --num-gpus
+    after the weights.
+    """
     try:
         result = compute_memory(
             model=model,

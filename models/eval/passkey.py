@@ -174,11 +174,74 @@ def greedy_generate(
     return np.asarray(fn(params, jnp.asarray(tokens), jnp.asarray(lengths), cache))
 
 
+@functools.lru_cache(maxsize=4)
+def _prefill_fn(model_config):
+    from models.llama import prefill
+
+    def run(params, tokens, lengths, cache):
+        logits, cache = prefill(params, model_config, tokens, lengths, cache)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=16)
+def _continue_fn(model_config, max_new_tokens: int, implementation: str):
+    from models.llama import decode_step
+
+    def run(params, first, cache):
+        def step(carry, _):
+            tok, cache = carry
+            logits, cache = decode_step(
+                params, model_config, tok, cache, implementation=implementation
+            )
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (nxt, cache), nxt
+
+        _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
+        return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+    return jax.jit(run)
+
+
+def greedy_generate_shared(
+    params,
+    model_config,
+    prompts: Sequence[Sequence[int]],
+    specs: Sequence,
+    *,
+    max_new_tokens: int = 10,
+    implementation: str = "reference",
+) -> dict[object, np.ndarray]:
+    """greedy_generate for several caches with one prefill: {spec: tokens [B, max_new_tokens]}.
+
+    Prefill attention is exact whatever the cache, so the prompt runs once into a dense cache
+    (its K/V are the post-RoPE K/V `prefill` hands any cache) and each cache is then filled by
+    its own `prefill` from those K/V, which is what `models.llama.prefill` does with it.
+    """
+    from models.eval.ppl import CacheSpec, _model_dtype
+
+    tokens, lengths = pad_prompts(prompts)
+    b, s = tokens.shape
+    dtype = _model_dtype(params)
+    dense = CacheSpec("fp16").make(model_config, batch=b, max_len=s, dtype=dtype)
+    first, dense = _prefill_fn(model_config)(
+        params, jnp.asarray(tokens), jnp.asarray(lengths), dense
+    )
+    out = {}
+    for spec in specs:
+        cache = spec.make(model_config, batch=b, max_len=s + max_new_tokens, dtype=dtype)
+        cache = cache.prefill(dense.k, dense.v, dense.lengths)
+        fn = _continue_fn(model_config, max_new_tokens, implementation)
+        out[spec] = np.asarray(fn(params, first, cache))
+    return out
+
+
 def evaluate_passkey(
     params,
     model_config,
     tokenizer,
-    spec,
+    specs: Sequence,
     *,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     depths: Sequence[float] = DEFAULT_DEPTHS,
@@ -188,11 +251,14 @@ def evaluate_passkey(
     max_new_tokens: int = 10,
     max_positions: int | None = None,
     implementation: str = "reference",
-) -> dict:
-    """Accuracy per (length, depth) cell over `trials` keys (the same keys for every cache).
+    on_cell=None,
+) -> list[dict]:
+    """Passkey accuracy per (length, depth) cell over `trials` keys for each cache in `specs`.
 
-    Returns a JSON-able dict with the grid, the overall accuracy, every answer, and timing.
-    Raises ValueError for a length beyond the model's context or trials < 1.
+    Every cache sees the same prompts (the same keys) and the same exact prefill. Returns one
+    JSON-able dict per cache: the grid, the overall accuracy, every answer, and timing.
+    on_cell(length, depth) is called after each cell (progress). Raises ValueError for a length
+    beyond the model's context, trials < 1 or a cache that cannot take the model's head_dim.
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
@@ -201,13 +267,13 @@ def evaluate_passkey(
             raise ValueError(
                 f"passkey length {n} is longer than the model's context of {max_positions} tokens"
             )
-    cfg = spec.config()
-    if cfg is not None:
-        cfg.check_head_dim(model_config.head_dim)
+    for spec in specs:
+        cfg = spec.config()
+        if cfg is not None:
+            cfg.check_head_dim(model_config.head_dim)
     rng = np.random.default_rng(seed)
     keys = [random_key(rng) for _ in range(trials)]
-    cells, answers = [], []
-    t0 = time.perf_counter()
+    results = {spec: {"cells": [], "answers": [], "seconds": 0.0} for spec in specs}
     for n in lengths:
         for d in depths:
             prompts = [
@@ -216,39 +282,50 @@ def evaluate_passkey(
                 )
                 for k in keys
             ]
-            out = greedy_generate(
+            t0 = time.perf_counter()
+            outs = greedy_generate_shared(
                 params,
                 model_config,
                 [p.tokens for p in prompts],
-                spec,
+                specs,
                 max_new_tokens=max_new_tokens,
                 implementation=implementation,
             )
-            hits = 0
-            for p, ids in zip(prompts, out, strict=True):
-                text = tokenizer.decode([int(i) for i in ids])
-                got = parse_answer(text)
-                ok = got == p.key
-                hits += ok
-                answers.append(
-                    {"length": n, "depth": d, "key": p.key, "answer": text, "correct": ok}
+            dt = time.perf_counter() - t0
+            for spec, out in outs.items():
+                res = results[spec]
+                res["seconds"] += dt / len(specs)
+                hits = 0
+                for p, ids in zip(prompts, out, strict=True):
+                    text = tokenizer.decode([int(i) for i in ids])
+                    ok = parse_answer(text) == p.key
+                    hits += ok
+                    res["answers"].append(
+                        {"length": n, "depth": d, "key": p.key, "answer": text, "correct": ok}
+                    )
+                res["cells"].append(
+                    {
+                        "length": n,
+                        "depth": d,
+                        "prompt_tokens": max(len(p.tokens) for p in prompts),
+                        "accuracy": hits / trials,
+                    }
                 )
-            cells.append(
-                {
-                    "length": n,
-                    "depth": d,
-                    "prompt_tokens": max(len(p.tokens) for p in prompts),
-                    "accuracy": hits / trials,
-                }
-            )
-    return {
-        "accuracy": float(np.mean([c["accuracy"] for c in cells])),
-        "cells": cells,
-        "trials": trials,
-        "seed": seed,
-        "chat_template": chat_template,
-        "max_new_tokens": max_new_tokens,
-        **spec.describe(),
-        "answers": answers,
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+            if on_cell is not None:
+                on_cell(n, d)
+    return [
+        {
+            "accuracy": float(np.mean([c["accuracy"] for c in res["cells"]])),
+            "lengths": list(lengths),
+            "depths": list(depths),
+            "trials": trials,
+            "seed": seed,
+            "chat_template": chat_template,
+            "max_new_tokens": max_new_tokens,
+            **spec.describe(),
+            "cells": res["cells"],
+            "answers": res["answers"],
+            "seconds": round(res["seconds"], 2),
+        }
+        for spec, res in results.items()
+    ]

