@@ -503,7 +503,9 @@ class KiviCache(_CacheOps):
         streaming the same tokens through `append` would (bit for bit).
         """
         self._check_prefill(k, v, lengths)
-        lengths = lengths.astype(jnp.int32)
+        return _kivi_prefill(self, k, v, lengths.astype(jnp.int32))
+
+    def _prefill(self, k: Array, v: Array, lengths: Array) -> KiviCache:
         return dataclasses.replace(
             self,
             keys=self.keys.prefill(k, lengths),
@@ -597,7 +599,9 @@ class DenseCache(_CacheOps):
 
     def prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
         self._check_prefill(k, v, lengths)
-        lengths = lengths.astype(jnp.int32)
+        return _dense_prefill(self, k, v, lengths.astype(jnp.int32))
+
+    def _prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
         s = k.shape[3]
         keep = (jnp.arange(s)[None, :] < lengths[:, None])[None, :, None, :, None]
         put = lambda buf, x: (
@@ -619,6 +623,11 @@ class DenseCache(_CacheOps):
     def logical_axes(self) -> DenseCache:
         spec = jax.P("layers", "batch", "kv_heads", "cache_seq", "head_dim")
         return dataclasses.replace(self, k=spec, v=spec, lengths=jax.P("batch"))
+
+
+# Jitted once per shape so that eager callers (notebooks, tests) do not dispatch op by op.
+_kivi_prefill = jax.jit(KiviCache._prefill)
+_dense_prefill = jax.jit(DenseCache._prefill)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ of a (64, D) tile with one shift and mask and feeds it to a wgmma with the 64 to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -169,6 +170,12 @@ def quantize(
     x = jnp.asarray(x)
     gax = x.ndim - 2 if axis == "channel" else x.ndim - 1
     _check_tensor(x, "x", gax, group_size)
+    return _quantize(x, bits, group_size, axis, jnp.dtype(scale_dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(x: Array, bits: int, group_size: int, axis: str, scale_dtype: str):
+    gax = x.ndim - 2 if axis == "channel" else x.ndim - 1
     *lead, t, d = x.shape
     if axis == "channel":
         xg = x.reshape(*lead, t // group_size, group_size, d)
@@ -199,7 +206,11 @@ def quantize_values(v: Array, config: KiviConfig) -> QuantizedTensor:
 
 def dequantize(q: QuantizedTensor, dtype=None) -> Array:
     """Reconstruct [..., T, D] from a QuantizedTensor, in `dtype` (default: the input's dtype)."""
-    dtype = q.dtype if dtype is None else dtype
+    return _dequantize(q, jnp.dtype(q.dtype if dtype is None else dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(q: QuantizedTensor, dtype: str) -> Array:
     gax = q.codes.ndim - 2 if q.axis == "channel" else q.codes.ndim - 1
     codes = unpack(q.codes, q.bits, axis=gax, plane=q.plane)
     *lead, t, d = codes.shape
