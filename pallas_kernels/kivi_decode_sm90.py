@@ -62,7 +62,7 @@ class TuningConfig:
     stages: int = 3
     swizzle_codes: bool = False
     overlap: bool = True
-    p_direct: bool = True
+    p_direct: bool = False
     skip: str = ""
 
     def __post_init__(self):
@@ -97,29 +97,29 @@ def choose_tuning(
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
-    Steps of 256 tokens (4-bit K and V: 128), 3 stages. Splits: the grid is B * Hkv * S blocks
-    run in waves of num_sms * (blocks per SM); S minimizes waves * (steps per split + 2), the
-    2 standing for a block's fixed cost (prologue, epilogue) in steps. Measured on the H200
-    (docs/performance.md): at B=8, T=128k a grid that leaves the last wave mostly empty was
-    up to 1.4x slower than a full one.
+    Steps of 256 tokens, 2 stages. Splits: the grid is B * Hkv * S blocks run in waves of
+    num_sms * (blocks per SM); S minimizes waves * (steps per split + 2), the 2 standing for a
+    block's fixed cost (prologue, epilogue) in steps. Measured on the H200, B=8, Hkv=8,
+    T=128k, 2-bit G=128 (docs/performance.md): S=4/6/8/12/16 gave 0.73/0.72/0.66-0.68/0.68/
+    0.70 ms; 512-token steps were slower than 256 (0.80 vs 0.72 ms); 4-bit: 256-token steps
+    0.755 ms vs 128-token 0.83 ms.
     """
-    blk = 128 if (key_bits, value_bits) == (4, 4) else 256
-    blk = max(blk, _min_block(key_bits, value_bits), group_size)
+    blk = max(256, _min_block(key_bits, value_bits), group_size)
     if max_tokens % blk:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
-    base = TuningConfig(block_tokens=blk, num_splits=1, stages=3)
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=2)
     smem = smem_bytes(base, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                      head_dim=head_dim)
-    per_sm = max(1, min(3, (227 * 1024) // smem))  # ~3 by registers (about 160 per thread)
+                      head_dim=head_dim, padded_heads=8)
+    # ~250 registers per thread (ptxas, 2-bit G128) allow 2 blocks of 128 threads per SM.
+    per_sm = max(1, min(2, (227 * 1024) // smem))
     slots = num_sms * per_sm
     bh = batch * kv_heads
-    best = None
-    for S in range(1, min(steps, 64) + 1):
-        cost = -(-bh * S // slots) * (-(-steps // S) + 2)
-        if best is None or cost < best[0]:
-            best = (cost, S)
-    return dataclasses.replace(base, num_splits=best[1])
+    costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
+    best = min(costs.values())
+    # Among near-ties prefer more splits: more blocks hide the tail of the last wave better.
+    S = max(S for S, c in costs.items() if c <= 1.02 * best)
+    return dataclasses.replace(base, num_splits=S)
 
 
 def _swz(dtype, minor_elems):
@@ -141,26 +141,26 @@ def _field_to_f16(x16, bits: int, j: int):
     return h - jnp.float16(off)
 
 
-def _group_vecs(scale_s, min_s, row0: int, idx: tuple, shape, G: int):
+def _group_vecs(scale_at, min_at, row0: int, shape, G: int):
     """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
     broadcast along rows (WGMMA layout). For G = 32 the tile holds two groups: the upper half
     of the rows takes the second (one select per element, the price of G < 64)."""
 
-    def vec(ref, g):
-        v = plgpu.load(ref.at[(g, *idx)], (), layout=_WG.reduce(0))
+    def vec(at, g):
+        v = plgpu.load(at(g), (), layout=_WG.reduce(0))
         return lax.broadcast_in_dim(v, shape, [1])
 
     g = row0 // G
     if G >= PLANE:
-        return vec(scale_s, g), vec(min_s, g)
+        return vec(scale_at, g), vec(min_at, g)
     lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
-    return (jnp.where(lo, vec(scale_s, g), vec(scale_s, g + 1)),
-            jnp.where(lo, vec(min_s, g), vec(min_s, g + 1)))
+    return (jnp.where(lo, vec(scale_at, g), vec(scale_at, g + 1)),
+            jnp.where(lo, vec(min_at, g), vec(min_at, g + 1)))
 
 
 def _make_kernel(
     *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
-    interpret,
+    interpret, alt_layout: bool = False,
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
@@ -171,8 +171,11 @@ def _make_kernel(
     VCH = min(TS, 256)
     f16 = jnp.float16
 
-    def body(meta_g, q_g, kc_g, ks_g, kz_g, vc_g, vs_g, vz_g, o_g, lse_g,
-             q_s, p_s, o_s, lse_s, kd_s, vd_s, bar):
+    n_in = 4 if alt_layout else 6
+
+    def body(meta_g, q_g, *refs):
+        gmem = refs[:n_in]
+        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar = refs[n_in:]
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         s = lax.axis_index("s")
@@ -187,27 +190,45 @@ def _make_kernel(
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
 
-        def k_tile(kc_s, ks_s, kz_s, p, cache):
+        def views(refs):
+            """Accessors of one step's SMEM buffers, for the documented and the alt layout."""
+            if not alt_layout:
+                kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
+                tok = lambda p: ((p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE))
+                return dict(
+                    kcodes=lambda r: kc_s[pl.ds(r * PLANE, PLANE), :],
+                    kscale=lambda g: ks_s.at[g], kmin=lambda g: kz_s.at[g],
+                    vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE), pl.ds(r * PLANE, PLANE)],
+                    vscale=lambda p: (lambda g: vs_s.at[(g, *tok(p))]),
+                    vmin=lambda p: (lambda g: vz_s.at[(g, *tok(p))]))
+            kc_s, ksz_s, vc_s, vsz_s = refs
+            tok = lambda p: ((p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE))
+            return dict(
+                kcodes=lambda r: kc_s[pl.ds(r * PLANE, PLANE), :],
+                kscale=lambda g: ksz_s.at[g, 0], kmin=lambda g: ksz_s.at[g, 1],
+                vcodes=lambda r, m: vc_s[r, pl.ds(m * PLANE, PLANE), :],
+                vscale=lambda p: (lambda g: vsz_s.at[(g, tok(p)[0], 0, tok(p)[1])]),
+                vmin=lambda p: (lambda g: vsz_s.at[(g, tok(p)[0], 1, tok(p)[1])]))
+
+        def k_tile(v, p, cache):
             """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
             r = p // Pk
             if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                cache[r] = kc_s[pl.ds(r * PLANE, PLANE), :].astype(jnp.uint16)
+                cache[r] = v["kcodes"](r).astype(jnp.uint16)
             c = _field_to_f16(cache[r], key_bits, p % Pk)
-            sc, mn = _group_vecs(ks_s, kz_s, p * PLANE, (), (PLANE, D), G)
+            sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G)
             return c * sc + mn
 
-        def v_tile(vc_s, vs_s, vz_s, p, m, cache):
+        def v_tile(v, p, m, cache):
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             r = (p // Pv, m)
             if r not in cache:
-                cache[r] = vc_s[pl.ds(m * PLANE, PLANE), pl.ds(r[0] * PLANE, PLANE)].astype(
-                    jnp.uint16)
+                cache[r] = v["vcodes"](*r).astype(jnp.uint16)
             c = _field_to_f16(cache[r], value_bits, p % Pv)
-            tok = (p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE)
-            sc, mn = _group_vecs(vs_s, vz_s, m * PLANE, tok, (PLANE, PLANE), G)
+            sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G)
             return c * sc + mn
 
-        def scores(kc_s, ks_s, kz_s):
+        def scores(v):
             """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
             cache = {}
             if stage_smem:
@@ -217,14 +238,14 @@ def _make_kernel(
                     plgpu.wgmma(acc, kd_s, q_s.T)
                     plgpu.wgmma_wait(0)
                     return acc[...]
-                return [pl.run_scoped(functools.partial(f, tile=k_tile(kc_s, ks_s, kz_s, p, cache)),
+                return [pl.run_scoped(functools.partial(f, tile=k_tile(v, p, cache)),
                                       plgpu.ACC((PLANE, NP), jnp.float32))
                         for p in range(planes)]
 
             def f(*accs):
                 # Dequantize plane p+1 on the CUDA cores while plane p's wgmma runs.
                 for p in range(planes):
-                    plgpu.wgmma(accs[p], k_tile(kc_s, ks_s, kz_s, p, cache), q_s.T)
+                    plgpu.wgmma(accs[p], k_tile(v, p, cache), q_s.T)
                     if p and tuning.overlap:
                         plgpu.wgmma_wait(1)
                     elif not tuning.overlap:
@@ -233,7 +254,9 @@ def _make_kernel(
                 return [a[...] for a in accs]
             return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
 
-        def step(idx, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, carry):
+        def step(idx, *refs):
+            *refs, carry = refs
+            v = views(refs)
             m_run, l_t, accs = carry
             if tuning.skip == "compute":  # ablation: the TMA pipeline alone
                 return m_run, l_t, accs
@@ -241,7 +264,7 @@ def _make_kernel(
             tok0 = start + i * TS
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
             st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
-                  for p, x in enumerate(scores(kc_s, ks_s, kz_s))]
+                  for p, x in enumerate(scores(v))]
             tmax = st[0]
             for x in st[1:]:
                 tmax = jnp.maximum(tmax, x)
@@ -271,7 +294,7 @@ def _make_kernel(
                 for mt in range(mtiles):
                     def pv(acc, mt=mt):
                         for p in range(planes):
-                            vd_s[...] = v_tile(vc_s, vs_s, vz_s, p, mt, cache)
+                            vd_s[...] = v_tile(v, p, mt, cache)
                             plgpu.commit_smem()
                             plgpu.wgmma(acc, vd_s, pb(p))
                             plgpu.wgmma_wait(0)
@@ -282,7 +305,7 @@ def _make_kernel(
                 def pv(acc_refs):
                     for p in range(planes):
                         for mt in range(mtiles):
-                            plgpu.wgmma(acc_refs[mt], v_tile(vc_s, vs_s, vz_s, p, mt, cache),
+                            plgpu.wgmma(acc_refs[mt], v_tile(v, p, mt, cache),
                                         pb(p))
                         if p and tuning.overlap:
                             plgpu.wgmma_wait(mtiles)
@@ -300,23 +323,28 @@ def _make_kernel(
         v_cols = TS // Pv
         ktf = _swz(jnp.uint8, D) if tuning.swizzle_codes else ()
         vtf = _swz(jnp.uint8, v_cols) if tuning.swizzle_codes else ()
-        specs = [
-            # Block indices are offset by this split's first step (a traced value).
-            plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
-            plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
-            plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
-            plgpu.BlockSpec((D, v_cols), lambda i: (0, first + i), transforms=vtf),
-            # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
-            plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
-            plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
-        ]
+        # Block indices are offset by this split's first step (a traced value).
+        if not alt_layout:
+            specs = [
+                plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
+                plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
+                plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
+                plgpu.BlockSpec((D, v_cols), lambda i: (0, first + i), transforms=vtf),
+                # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
+                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
+                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
+            ]
+        else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
+            specs = [
+                plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
+                plgpu.BlockSpec((g_rows, 2, D), lambda i: (first + i, 0, 0)),
+                plgpu.BlockSpec((v_cols // PLANE, D, PLANE), lambda i: (first + i, 0, 0)),
+                plgpu.BlockSpec((D // G, TS // VCH, 2, VCH), lambda i: (0, first + i, 0, 0)),
+            ]
         m_run, l_t, accs = plgpu.emit_pipeline(
             step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
             init_carry=(m0, l0, a0),
-        )(
-            kc_g.at[layer, b, h], ks_g.at[layer, b, h], kz_g.at[layer, b, h],
-            vc_g.at[layer, b, h], vs_g.at[layer, b, h], vz_g.at[layer, b, h],
-        )
+        )(*[x.at[layer, b, h] for x in gmem])
         l = l_t.sum(axis=0)
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
@@ -424,12 +452,17 @@ def merge_partials(o_parts, lse_parts):
 @functools.partial(
     jax.jit,
     static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret",
-                     "stage_smem"),
+                     "stage_smem", "alt_layout"),
 )
-def _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
-                 key_bits, value_bits, group_size, sm_scale, tuning, interpret, stage_smem):
-    L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
-                                         num_tokens, layer, key_bits, value_bits, group_size)
+def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale,
+                 tuning, interpret, stage_smem, alt_layout=False):
+    if alt_layout:  # benchmark-only layout experiment; shapes as in `to_alt_layout`
+        B, Hq, D = q.shape
+        L, _, Hkv, rows, _ = cache[0].shape
+        Tq = rows * (8 // key_bits)
+    else:
+        L, B, Hq, Hkv, D, Tq = _check_inputs(q, *cache, num_tokens, layer, key_bits, value_bits,
+                                             group_size)
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
     NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
@@ -438,15 +471,34 @@ def _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0))).astype(_MMA_DTYPE)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
-    vch = min(tuning.block_tokens, 256)
-    v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // vch, vch)  # free: splits the minor dim
-    v_min = v_min.reshape(*v_min.shape[:-1], Tq // vch, vch)
+    if not alt_layout:
+        k_codes, k_scale, k_min, v_codes, v_scale, v_min = cache
+        vch = min(tuning.block_tokens, 256)
+        v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // vch, vch)  # free: splits minor dim
+        v_min = v_min.reshape(*v_min.shape[:-1], Tq // vch, vch)
+        cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
-                        stage_smem=stage_smem, interpret=interpret)
-    o_parts, lse_parts = kern(meta, qf, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
+    o_parts, lse_parts = kern(meta, qf, *cache)
     o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
     return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+
+
+def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
+    """The experimental layout measured in docs/performance.md (not the project's layout):
+    V codes as [L,B,Hkv,Tq/(64 Pv),D,64] (one contiguous block per 64*Pv tokens), key scale and
+    minimum merged [L,B,Hkv,Tq/G,2,D], value scale and minimum merged [L,B,Hkv,D/G,Tq/vch,2,vch].
+    """
+    *lead, D, cols = v_codes.shape
+    vc = v_codes.reshape(*lead, D, cols // PLANE, PLANE)
+    vc = jnp.moveaxis(vc, -2, -3)
+    ksz = jnp.stack([k_scale, k_min], axis=-2)
+    *lead, dg, tq = v_scale.shape
+    vs = v_scale.reshape(*lead, dg, tq // vch, vch)
+    vz = v_min.reshape(*lead, dg, tq // vch, vch)
+    vsz = jnp.stack([vs, vz], axis=-2)
+    return k_codes, ksz, vc, vsz
 
 
 def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
@@ -477,7 +529,7 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
                          f"for key_bits={key_bits}, value_bits={value_bits}, G={group_size}")
     if Tq % tuning.block_tokens:
         raise ValueError(f"Tq={Tq} must be a multiple of tuning.block_tokens={tuning.block_tokens}")
-    return _kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+    return _kivi_decode(q, (k_codes, k_scale, k_min, v_codes, v_scale, v_min), num_tokens, layer,
                         key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                         sm_scale=float(sm_scale), tuning=tuning, interpret=interpret,
                         stage_smem=interpret is not False and interpret is not None)
