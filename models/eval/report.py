@@ -214,6 +214,12 @@ def run_grid(
             rec["error"] = str(e)
             if t["kind"] == "ppl":
                 rec.update({"protocol": t["protocol"], **_describe_loose(t["spec"])})
+        except Exception as e:  # keep the rest of a long grid going; the log has the trace
+            import traceback
+
+            log(traceback.format_exc())
+            log(f"task {t['id']} failed ({type(e).__name__}); not recorded, rerun to retry")
+            continue
         rec["task_seconds"] = round(time.perf_counter() - t0, 1)
         with path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
