@@ -155,6 +155,11 @@ def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret) -> tuple[Arra
         raise NotImplementedError(
             f"the Pallas kernel needs KIVI axes (channel keys, token values), got {cache.config}"
         )
+    if not interpret and not pallas_available():
+        raise NotImplementedError(
+            "the Pallas KIVI kernel runs on Hopper (sm_90) GPUs; on this backend "
+            f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
+        )
     m = cache.quantized_split()
     o, lse = kernel.kivi_decode(
         q,
