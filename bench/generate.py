@@ -1,0 +1,233 @@
+"""Decode throughput of the jitted generation loop: dense vs KIVI caches, model presets with
+random weights, several (batch, context) points, and the largest batch that fits at 32k context.
+
+    PYTHONPATH=. python3 bench/generate.py --out /tmp/bench            # the H200 run
+    PYTHONPATH=. python3 bench/generate.py --tiny                      # CPU smoke test
+
+Each point: a cache of `context + steps` tokens is created and its rows set to hold `context`
+tokens (contents left zero: decode cost does not depend on the values), then the real
+generation loop (`models.generate.decode_loop_jit`: while_loop over decode_step + greedy
+sampling, cache donated) runs `steps` decode steps. A first call with the same shapes compiles
+(its time is reported separately); the second is timed. tokens/s = batch * steps / seconds.
+
+Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
+weights, then checked by allocating that cache (and one row more) and running one decode step.
+
+Random weights because the device machine cannot receive the SmolLM2 GGUF; shapes are the
+presets'. Never imports gguf. Prints a table last and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kivi_jax
+from kivi_jax import memory
+from models import generate as G
+from models import llama
+from models.presets import ModelConfig, get_preset
+
+TINY = ModelConfig(
+    name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1 << 16,
+)
+
+
+def device_info() -> dict:
+    d = jax.devices()[0]
+    info = dict(platform=d.platform, device=getattr(d, "device_kind", str(d)))
+    try:
+        import jaxlib
+
+        info.update(jax=jax.__version__, jaxlib=jaxlib.__version__)
+    except ImportError:  # pragma: no cover
+        info.update(jax=jax.__version__)
+    try:
+        import flax
+
+        info["flax"] = flax.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    info["python"] = platform.python_version()
+    return info
+
+
+def free_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def filled_cache(name, config, batch, context, steps, dtype, residual_length):
+    """A cache with capacity context + steps whose rows hold `context` (zero) tokens."""
+    c = G.new_cache(name, config, batch, context + steps + 1, dtype,
+                    residual_length=residual_length)
+    return dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def run_loop(params, config, cache, steps, impl, max_new):
+    B = cache.batch
+    logits = jnp.zeros((B, config.vocab_size), jnp.float32)
+    state = G.decode_loop_jit(
+        params, logits, cache, jax.random.key(0), jnp.int32(max_new), G._pad_stops([]),
+        config=config, num_slots=G.bucket(steps + 1), sampling=G.GREEDY, implementation=impl,
+    )
+    state.tokens.block_until_ready()
+    return state
+
+
+def measure(params, config, cache_name, batch, context, steps, impl, dtype, residual_length):
+    """(compile+first-run seconds, timed seconds, tokens/s, cache bytes)."""
+    t0 = time.perf_counter()
+    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length)
+    nbytes = c.nbytes().total
+    run_loop(params, config, c, steps, impl, max_new=2)  # compiles; max_new is traced
+    t1 = time.perf_counter()
+    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length)
+    jax.block_until_ready(c)
+    t2 = time.perf_counter()
+    state = run_loop(params, config, c, steps, impl, max_new=steps + 1)
+    t3 = time.perf_counter()
+    assert int(state.step) == steps + 1, int(state.step)
+    return t1 - t0, t3 - t2, batch * steps / (t3 - t2), nbytes
+
+
+def max_batch_at(params, config, cache_name, context, dtype, residual_length, impl, probe):
+    """Predicted largest batch from free memory, then (probe) checked by a decode step."""
+    free = free_bytes()
+    kcfg = kivi_jax.cache_config(cache_name, residual_length=residual_length)
+    shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim,
+                           jnp.dtype(dtype).itemsize)
+    rec = dict(model=config.name, cache=cache_name, context=context, free_bytes=free)
+    if free is None:
+        rec["error"] = "device reports no memory limit"
+        return rec
+    # Leave 8% of free memory for the step's activations and XLA temporaries.
+    budget = int(free * 0.92)
+    pred = memory.max_batch(shape, kcfg, budget, tokens=context + 2)
+    rec["predicted_batch"] = int(pred)
+    if not probe or pred < 1:
+        return rec
+    for b in dict.fromkeys([int(pred), max(1, int(pred) // 2)]):  # two tries (each compiles)
+        try:
+            _, secs, tps, nbytes = measure(params, config, cache_name, b, context, 4, impl, dtype,
+                                           residual_length)
+            rec.update(batch=b, cache_bytes=nbytes, tokens_per_s=round(tps, 1))
+            return rec
+        except Exception as e:  # noqa: BLE001 - an OOM (attention temporaries) halves the batch
+            rec.setdefault("failed", []).append([b, type(e).__name__, str(e)[:160]])
+    return rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,llama-3-8b")
+    ap.add_argument("--max-batch-model", default="llama-3-8b")
+    ap.add_argument("--points", default="1x4096,16x4096,4x32768",
+                    help="batch x context pairs, comma separated")
+    ap.add_argument("--caches", default="fp16,kivi2,kivi4")
+    ap.add_argument("--impls", default="reference", help="KIVI decode attention implementations")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--residual", type=int, default=128)
+    ap.add_argument("--max-batch-context", type=int, default=32768)
+    ap.add_argument("--no-max-batch", action="store_true")
+    ap.add_argument("--no-probe", action="store_true", help="predict max batch, do not run it")
+    ap.add_argument("--deadline", type=float, default=1e9, help="stop new work after N seconds")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
+    ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    dtype = jnp.dtype(args.dtype)
+    points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",") if p]
+    caches = args.caches.split(",")
+    impls = args.impls.split(",")
+    configs = [TINY] if args.tiny else [get_preset(m) for m in args.models.split(",")]
+    result = dict(
+        command=" ".join(["bench/generate.py", *(argv if argv is not None else sys.argv[1:])]),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        weights="random (preset shapes)",
+        dtype=dtype.name, steps=args.steps, residual_length=args.residual,
+        info=device_info(), points=[], max_batch=[],
+    )
+
+    def save():
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "generate_bench.json").write_text(json.dumps(result, indent=1))
+
+    def late():
+        return time.perf_counter() - start > args.deadline
+
+    for config in configs:
+        if late():
+            break
+        t0 = time.perf_counter()
+        params = llama.init_params(config, jax.random.key(0), dtype)
+        jax.block_until_ready(params)
+        print(f"# {config.name}: {config.num_params() / 1e9:.2f}B random params in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        for batch, context in points:
+            for cache in caches:
+                for impl in (["reference"] if cache == "fp16" else impls):
+                    if late():
+                        break
+                    rec = dict(model=config.name, batch=batch, context=context, cache=cache,
+                               impl=impl)
+                    try:
+                        comp, secs, tps, nbytes = measure(params, config, cache, batch, context,
+                                                          args.steps, impl, dtype, args.residual)
+                        rec.update(compile_s=round(comp, 2), seconds=round(secs, 4),
+                                   tokens_per_s=round(tps, 1), cache_bytes=nbytes)
+                    except Exception as e:  # noqa: BLE001 - record and go on
+                        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    result["points"].append(rec)
+                    print(json.dumps(rec), flush=True)
+                    save()
+        if not args.no_max_batch and config.name == args.max_batch_model:
+            for cache in caches:
+                if late():
+                    break
+                rec = max_batch_at(params, config, cache, args.max_batch_context, dtype,
+                                   args.residual, impls[0], probe=not args.no_probe)
+                result["max_batch"].append(rec)
+                print(json.dumps(rec), flush=True)
+                save()
+        del params
+    result["elapsed_s"] = round(time.perf_counter() - start, 1)
+    save()
+
+    info = result["info"]
+    print(f"\n{info['device']} | jax {info.get('jax')} | {result['date']} | {dtype.name} | "
+          f"random weights | {args.steps} decode steps timed after a compile run")
+    print(f"{'model':14} {'batch':>5} {'context':>7} {'cache':6} {'impl':9} {'tok/s':>9} "
+          f"{'cache MB':>9}")
+    for r in result["points"]:
+        tps = f"{r['tokens_per_s']:9.1f}" if "tokens_per_s" in r else "    error"
+        mb = f"{r['cache_bytes'] / 1e6:9.1f}" if "cache_bytes" in r else ""
+        print(f"{r['model']:14} {r['batch']:5d} {r['context']:7d} {r['cache']:6} {r['impl']:9} "
+              f"{tps} {mb}")
+    for r in result["max_batch"]:
+        print(f"max batch at {r['context']} ({r['model']}, {r['cache']}): "
+              f"predicted {r.get('predicted_batch')}, ran {r.get('batch', '-')} "
+              f"({r.get('tokens_per_s', float('nan')):.1f} tok/s)"
+              + (f"; failed {r['failed']}" if r.get("failed") else ""))
+    return result
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
