@@ -164,11 +164,12 @@ def _make_kernel(
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
-    planes = TS // PLANE
+    SUB = min(TS, 256)  # tokens per compute sub-step (one fori_loop iteration)
+    planes = SUB // PLANE
     total_steps = Tq // TS
     steps_per_split = -(-total_steps // S)
     mtiles = D // PLANE
-    VCH = min(TS, 256)
+    VCH = SUB  # value-scale chunk: the sub-step
     f16 = jnp.float16
 
     n_in = 4 if alt_layout else 6
@@ -190,25 +191,26 @@ def _make_kernel(
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
 
-        def views(refs):
-            """Accessors of one step's SMEM buffers, for the documented and the alt layout."""
+        def views(refs, u):
+            """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout)."""
+            kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
             if not alt_layout:
                 kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
-                tok = lambda p: ((p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE))
                 return dict(
-                    kcodes=lambda r: kc_s[pl.ds(r * PLANE, PLANE), :],
-                    kscale=lambda g: ks_s.at[g], kmin=lambda g: kz_s.at[g],
-                    vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE), pl.ds(r * PLANE, PLANE)],
-                    vscale=lambda p: (lambda g: vs_s.at[(g, *tok(p))]),
-                    vmin=lambda p: (lambda g: vz_s.at[(g, *tok(p))]))
+                    kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
+                    kscale=lambda g: ks_s.at[kg + g], kmin=lambda g: kz_s.at[kg + g],
+                    vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE),
+                                             pl.ds(vcol + r * PLANE, PLANE)],
+                    vscale=lambda p: (lambda g: vs_s.at[g, u, pl.ds(p * PLANE, PLANE)]),
+                    vmin=lambda p: (lambda g: vz_s.at[g, u, pl.ds(p * PLANE, PLANE)]))
             kc_s, ksz_s, vc_s, vsz_s = refs
-            tok = lambda p: ((p * PLANE) // VCH, pl.ds((p * PLANE) % VCH, PLANE))
+            vb = u * (SUB // (PLANE * Pv))
             return dict(
-                kcodes=lambda r: kc_s[pl.ds(r * PLANE, PLANE), :],
-                kscale=lambda g: ksz_s.at[g, 0], kmin=lambda g: ksz_s.at[g, 1],
-                vcodes=lambda r, m: vc_s[r, pl.ds(m * PLANE, PLANE), :],
-                vscale=lambda p: (lambda g: vsz_s.at[(g, tok(p)[0], 0, tok(p)[1])]),
-                vmin=lambda p: (lambda g: vsz_s.at[(g, tok(p)[0], 1, tok(p)[1])]))
+                kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
+                kscale=lambda g: ksz_s.at[kg + g, 0], kmin=lambda g: ksz_s.at[kg + g, 1],
+                vcodes=lambda r, m: vc_s[vb + r, pl.ds(m * PLANE, PLANE), :],
+                vscale=lambda p: (lambda g: vsz_s.at[g, u, 0, pl.ds(p * PLANE, PLANE)]),
+                vmin=lambda p: (lambda g: vsz_s.at[g, u, 1, pl.ds(p * PLANE, PLANE)]))
 
         def k_tile(v, p, cache):
             """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
@@ -256,12 +258,19 @@ def _make_kernel(
 
         def step(idx, *refs):
             *refs, carry = refs
-            v = views(refs)
-            m_run, l_t, accs = carry
             if tuning.skip == "compute":  # ablation: the TMA pipeline alone
-                return m_run, l_t, accs
+                return carry
             (i,) = idx
-            tok0 = start + i * TS
+            if TS == SUB:
+                return sub_step(refs, start + i * TS, 0, carry)
+            # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
+            # size at one sub-step's.
+            return lax.fori_loop(
+                0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c), carry)
+
+        def sub_step(refs, tok0, u, carry):
+            v = views(refs, u)
+            m_run, l_t, accs = carry
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
             st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
                   for p, x in enumerate(scores(v))]
