@@ -118,9 +118,11 @@ def check(out_rows):
         (2, 32, 8, 128, 4096, 4, 2, 32, jnp.bfloat16),
         (3, 16, 16, 64, 2048, 2, 4, 64, jnp.float16),
         (2, 64, 4, 128, 2048, 2, 2, 64, jnp.bfloat16),
+        (3, 32, 8, 128, 4096, 2, 2, 128, jnp.bfloat16, kd.TuningConfig(512, 3, 2)),
+        (2, 32, 8, 128, 4096, 4, 4, 32, jnp.float16, kd.TuningConfig(512, 2, 3)),
     ]
     ok_all = True
-    for i, (B, Hq, Hkv, D, T, kb, vb, G, dt) in enumerate(cfgs):
+    for i, (B, Hq, Hkv, D, T, kb, vb, G, dt, *tun) in enumerate(cfgs):
         key = jax.random.key(100 + i)
         L = 3
         cache = make_cache(key, L, B, Hkv, D, T, kb, vb, G)
@@ -128,8 +130,9 @@ def check(out_rows):
         nt = jnp.asarray(np.random.default_rng(i).integers(0, T + 1, B), jnp.int32).at[0].set(0)
         nt = nt.at[-1].set(T - 37)
         kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
-        o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw)
-        o2, lse2 = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw)
+        tun = tun[0] if tun else None
+        o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw, tuning=tun)
+        o2, lse2 = kd.kivi_decode(q, *cache, nt, jnp.int32(2), **kw, tuning=tun)
         ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(2), **kw)
         o, ro = np.asarray(o), np.asarray(ro)
         err = float(np.abs(o - ro).max() / max(1e-6, np.abs(ro).max()))
@@ -141,7 +144,8 @@ def check(out_rows):
         ok = bool(ok)
         ok_all &= ok
         row = dict(kind="check", B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb, vb=vb, G=G,
-                   dtype=jnp.dtype(dt).name, rel_err=err, lse_err=lerr, det=det, ok=ok)
+                   dtype=jnp.dtype(dt).name, tuning=str(tun), rel_err=err, lse_err=lerr,
+                   det=det, ok=ok)
         out_rows.append(row)
         log(row)
     return ok_all
@@ -204,13 +208,14 @@ def tune(rows, deadline):
     TC = kd.TuningConfig
     variants = [  # (key bits, value bits, G, tuning or None for choose_tuning, alt layout)
         (2, 2, 128, None, False), (2, 2, 128, TC(256, 8, 3), False),
-        (2, 2, 128, TC(256, 12, 2), False), (2, 2, 128, TC(256, 8, 2, p_direct=True), False),
+        (2, 2, 128, TC(512, 8, 2), False), (2, 2, 128, TC(512, 4, 2), False),
+        (2, 2, 128, TC(1024, 4, 2), False),
         (2, 2, 128, TC(256, 8, 2, skip="compute"), False),
         (2, 2, 128, TC(512, 8, 2, skip="compute"), False),
         (2, 2, 128, TC(256, 8, 2, skip="values"), False),
         (2, 2, 128, None, True), (2, 2, 128, TC(256, 8, 2, skip="compute"), True),
-        (2, 2, 32, None, False), (4, 4, 128, None, False), (4, 4, 128, TC(256, 8, 3), False),
-        (4, 2, 32, None, False), (2, 2, 32, None, True),
+        (2, 2, 32, None, False), (4, 4, 128, None, False), (4, 4, 128, TC(512, 8, 2), False),
+        (4, 2, 32, None, False),
     ]
     for kb, vb, G, tun, alt in variants:
         if time.time() > deadline:
@@ -223,9 +228,15 @@ def tune(rows, deadline):
             r = dict(kind="kivi-tune", kb=kb, vb=vb, G=G, tuning=str(tun), error=repr(e)[:400])
         rows.append(r)
         log(r)
+    # The grid's step size: 512-token copies if they beat 256 at this anchor point.
+    t = {r["tuning"]: r["ms"] for r in rows if r.get("kind") == "kivi-tune" and "ms" in r
+         and r.get("kb") == 2 and r.get("G") == 128}
+    t256 = t.get(str(kd.choose_tuning(B, Hkv, T)), 1e9)
+    t512 = min(t.get(str(TC(512, 8, 2)), 1e9), t.get(str(TC(512, 4, 2)), 1e9))
+    return 512 if t512 < 0.97 * t256 else 256
 
 
-def grid(rows, deadline, batches, ref_max_bytes=2e9):
+def grid(rows, deadline, batches, block_tokens=256):
     shapes = [(32, 8, 128), (64, 8, 128)]
     ts = [131072, 32768, 8192]
     bitsg = [(2, 128), (2, 32), (4, 128), (4, 32)]
@@ -246,7 +257,9 @@ def grid(rows, deadline, batches, ref_max_bytes=2e9):
                     log(fp[impl])
                 for kb, G in bitsg:
                     try:
-                        r = bench_point(**base, kb=kb, vb=kb, G=G, reps=10)
+                        tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
+                                               group_size=G, block_tokens=block_tokens)
+                        r = bench_point(**base, kb=kb, vb=kb, G=G, tuning=tun, reps=10)
                         if "ms" in fp["cudnn"]:
                             r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
                     except Exception as e:
@@ -279,6 +292,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--budget_s", type=float, default=500)
+    ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
     a = ap.parse_args()
     global ROWS_FILE
     ROWS_FILE = os.path.join(a.out, "rows.jsonl")
@@ -291,10 +305,12 @@ def main():
             rows.append(bench_point(2, 32, 8, 128, 8192, 2, 2, 128, reps=3))
         if "check" in modes:
             log("CHECK", "PASS" if check(rows) else "FAIL")
+        blk = 256
         if "tune" in modes:
-            tune(rows, deadline)
+            blk = tune(rows, deadline - a.grid_s)
+            log(f"grid block_tokens: {blk}")
         if "grid" in modes:
-            grid(rows, deadline, [int(b) for b in a.batches.split(",")])
+            grid(rows, deadline, [int(b) for b in a.batches.split(",")], blk)
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
             json.dump(rows, f, indent=1)

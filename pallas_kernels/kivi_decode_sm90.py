@@ -94,6 +94,7 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
 def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
+    block_tokens: int | None = None, stages: int = 2,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -104,11 +105,13 @@ def choose_tuning(
     0.70 ms; 512-token steps were slower than 256 (0.80 vs 0.72 ms); 4-bit: 256-token steps
     0.755 ms vs 128-token 0.83 ms.
     """
-    blk = max(256, _min_block(key_bits, value_bits), group_size)
+    blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
+    while max_tokens % blk and blk > 256:
+        blk //= 2
     if max_tokens % blk:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
-    base = TuningConfig(block_tokens=blk, num_splits=1, stages=2)
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages)
     smem = smem_bytes(base, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                       head_dim=head_dim, padded_heads=8)
     # ~250 registers per thread (ptxas, 2-bit G128) allow 2 blocks of 128 threads per SM.
@@ -526,12 +529,11 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     variant under the CPU interpreter. Raises ValueError on bad shapes/dtypes and
     NotImplementedError on unsupported bits, group sizes, head dims or dtypes.
     """
+    _, B, _, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+                                        num_tokens, layer, key_bits, value_bits, group_size)
     if tuning is None:
-        Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
-        tuning = choose_tuning(q.shape[0], k_codes.shape[2] if k_codes.ndim == 5 else 1, Tq,
-                               key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                               head_dim=q.shape[-1])
-    Tq = k_codes.shape[3] * (8 // key_bits) if k_codes.ndim == 5 else 0
+        tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
+                               group_size=group_size, head_dim=D)
     need = max(_min_block(key_bits, value_bits), group_size)
     if tuning.block_tokens % need:
         raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "

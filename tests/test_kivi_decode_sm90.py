@@ -1,0 +1,234 @@
+"""pallas_kernels.kivi_decode_sm90: the fused KIVI decode kernel against its float32 twin.
+
+CPU (CI): the SMEM-staged variant under the Mosaic GPU interpreter with race detection, on
+small random caches (bits 2/4 and K4V2, G 32/64/128, GQA ratios, ragged lengths incl. 0 and
+partial blocks, D 64/128, a nonzero layer); the production variant cross-lowered for sm_90;
+the twin against a plain dequantize-then-softmax attention; argument errors.
+GPU (skipped elsewhere): the production variant natively on larger shapes, outputs poisoned
+first, deterministic run to run.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kivi_jax.quant import pack
+from pallas_kernels import kivi_decode_sm90 as kd
+
+ON_GPU = jax.default_backend() == "gpu"
+# Tolerances (max |o - o_ref| / max |o_ref|, and |lse - lse_ref|): the kernel dequantizes in
+# fp16 (one rounding of code * scale + min, relative 2^-11), feeds fp16 wgmma operands (q
+# rounded to fp16 after sm_scale, P rounded to fp16) and accumulates in f32. bf16 q is
+# converted to fp16 inside, so both query dtypes get the same bound.
+TOL = {jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.bfloat16): 4e-3}
+
+
+def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G):
+    """Random codes, scales and minimums in the documented layout (docs/layout.md)."""
+    rng = np.random.default_rng(seed)
+    kc = rng.integers(0, 2**kb, (L, B, Hkv, Tq, D)).astype(np.uint8)
+    vc = rng.integers(0, 2**vb, (L, B, Hkv, D, Tq)).astype(np.uint8)
+    f = lambda shape, lo, hi: jnp.asarray(rng.uniform(lo, hi, shape), jnp.float16)
+    return (pack(kc, kb, axis=3, plane=64),
+            f((L, B, Hkv, Tq // G, D), 0.02, 0.3), f((L, B, Hkv, Tq // G, D), -0.6, 0.0),
+            pack(vc, vb, axis=4, plane=64),
+            f((L, B, Hkv, D // G, Tq), 0.02, 0.3), f((L, B, Hkv, D // G, Tq), -0.6, 0.0))
+
+
+def make_q(seed, B, Hq, D, dtype):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((B, Hq, D)), dtype)
+
+
+def plain_attention(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size,
+                    sm_scale):
+    """Independent float64 numpy: unpack, dequantize every element, softmax, weighted sum."""
+    k_codes, k_scale, k_min, v_codes, v_scale, v_min = (np.asarray(x) for x in cache)
+    kc = kd._unpack_layer(k_codes[layer], key_bits, 2)
+    vc = np.swapaxes(np.asarray(kd._unpack_layer(v_codes[layer], value_bits, 3)), -1, -2)
+    G = group_size
+    K = np.asarray(kc, np.float64) * np.repeat(k_scale[layer], G, axis=2).astype(np.float64)
+    K += np.repeat(k_min[layer], G, axis=2).astype(np.float64)
+    V = vc.astype(np.float64) * np.repeat(np.swapaxes(v_scale[layer], -1, -2), G, axis=-1)
+    V += np.repeat(np.swapaxes(v_min[layer], -1, -2), G, axis=-1)
+    B, Hq, D = q.shape
+    Hkv = K.shape[1]
+    qq = np.asarray(q, np.float64).reshape(B, Hkv, Hq // Hkv, D) * sm_scale
+    s = np.einsum("bhnd,bhtd->bhnt", qq, K)
+    valid = np.arange(K.shape[2])[None] < np.asarray(num_tokens)[:, None]
+    s = np.where(valid[:, None, None], s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    p = np.exp(s - mx)
+    tot = p.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.einsum("bhnt,bhtd->bhnd", p, V) / tot[..., None]
+        lse = np.log(tot) + mx[..., 0]
+    o = np.where(tot[..., None] > 0, o, 0.0)
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
+
+
+def compare(o, lse, ro, rlse, tol):
+    o, lse, ro, rlse = (np.asarray(x, np.float64) for x in (o, lse, ro, rlse))
+    assert np.isfinite(o).all(), "non-finite output"
+    err = np.abs(o - ro).max() / max(np.abs(ro).max(), 1e-6)
+    assert err < tol, f"o: max error {err:.2e} relative to max |o_ref| (tol {tol})"
+    fin = np.isfinite(rlse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin, err_msg="lse: -inf rows differ")
+    assert (lse[~fin] == -np.inf).all()
+    if fin.any():
+        lerr = np.abs(lse[fin] - rlse[fin]).max()
+        assert lerr < tol, f"lse: max abs error {lerr:.2e} (tol {tol})"
+    assert (o[~np.isfinite(rlse)] == 0).all(), "rows with no tokens must give o = 0"
+
+
+# (B, Hq, Hkv, D, Tq, key_bits, value_bits, G, q dtype, lengths, layer, tuning)
+TC = kd.TuningConfig
+CASES = [
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (300, 0), 1, TC(256, 2, 2)),
+    (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2)),
+    (1, 2, 2, 64, 512, 2, 2, 64, jnp.float16, (511,), 1, TC(256, 1, 2)),
+    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2)),
+    (2, 4, 2, 64, 512, 4, 4, 32, jnp.float16, (0, 0), 1, TC(256, 2, 3)),
+    (2, 16, 1, 128, 512, 4, 2, 32, jnp.bfloat16, (257, 448), 2, TC(256, 2, 2)),
+    (1, 4, 4, 64, 1024, 2, 4, 64, jnp.float16, (777,), 1, TC(512, 2, 2)),
+    (2, 12, 4, 128, 1024, 2, 2, 128, jnp.bfloat16, (1024, 70), 2, TC(512, 1, 2)),
+]
+IDS = [f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-T{c[4]}-K{c[5]}V{c[6]}-G{c[7]}" for c in CASES]
+
+
+def _run_case(case, seed, interpret):
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, tun = case
+    cache = make_cache(seed, 3, B, Hkv, D, Tq, kb, vb, G)
+    q = make_q(seed + 1, B, Hq, D, dt)
+    nt = jnp.asarray(lengths, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+    o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(layer), **kw, tuning=tun,
+                            interpret=interpret)
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
+    compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_interpret_matches_reference(case):
+    _run_case(case, seed=sum(map(ord, str(case[:8]))),
+              interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[7]],
+                         ids=[IDS[0], IDS[1], IDS[5], IDS[7]])
+def test_production_variant_cross_lowers_for_sm90(case):
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, tun = case
+    cache = make_cache(0, 3, B, Hkv, D, Tq, kb, vb, G)
+    q = make_q(1, B, Hq, D, dt)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=0.1, tuning=tun)
+
+    def f(q, nt, layer, *cache):
+        return kd.kivi_decode(q, *cache, nt, layer, **kw)
+
+    lowered = jax.jit(f).trace(q, jnp.asarray(lengths, jnp.int32), jnp.int32(layer),
+                               *cache).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=IDS[:6])
+def test_reference_matches_plain_attention(case):
+    """The folded twin against an independent float64 dequantize-then-softmax."""
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, _ = case
+    cache = make_cache(7, 3, B, Hkv, D, Tq, kb, vb, G)
+    q = make_q(8, B, Hq, D, dt)
+    nt = jnp.asarray(lengths, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
+    po, plse = plain_attention(q, cache, lengths, layer, **kw)
+    compare(ro, rlse, po, plse, 1e-5)
+
+
+def test_tuning_config_validates():
+    with pytest.raises(ValueError, match="block_tokens"):
+        kd.TuningConfig(block_tokens=96)
+    with pytest.raises(ValueError, match="num_splits"):
+        kd.TuningConfig(num_splits=0)
+    with pytest.raises(ValueError, match="stages"):
+        kd.TuningConfig(stages=0)
+    with pytest.raises(ValueError, match="skip"):
+        kd.TuningConfig(skip="everything")
+    t = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
+    assert t.block_tokens == 256 and t.num_splits >= 1
+
+
+def test_argument_errors():
+    B, Hq, Hkv, D, Tq = 1, 4, 2, 64, 256
+    cache = make_cache(0, 2, B, Hkv, D, Tq, 2, 2, 64)
+    q = make_q(0, B, Hq, D, jnp.float16)
+    nt, layer = jnp.asarray([10], jnp.int32), jnp.int32(0)
+    kw = dict(key_bits=2, value_bits=2, group_size=64, sm_scale=0.1)
+    with pytest.raises(NotImplementedError, match="key_bits=3"):
+        kd.kivi_decode(q, *cache, nt, layer, **{**kw, "key_bits": 3})
+    with pytest.raises(NotImplementedError, match="group_size=16"):
+        kd.kivi_decode(q, *cache, nt, layer, **{**kw, "group_size": 16})
+    with pytest.raises(NotImplementedError, match="dtype"):
+        kd.kivi_decode(q.astype(jnp.float32), *cache, nt, layer, **kw)
+    with pytest.raises(ValueError, match="k_scale"):
+        kd.kivi_decode(q, cache[0], cache[1][..., :-1, :], *cache[2:], nt, layer, **kw)
+    with pytest.raises(ValueError, match="v_codes"):
+        kd.kivi_decode(q, *cache[:3], cache[3].astype(jnp.int8), *cache[4:], nt, layer, **kw)
+    with pytest.raises(ValueError, match="num_tokens"):
+        kd.kivi_decode(q, *cache, jnp.asarray([1, 2], jnp.int32), layer, **kw)
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        kd.kivi_decode(make_q(0, B, 3, D, jnp.float16), *cache, nt, layer, **kw)
+    with pytest.raises(ValueError, match="group_size=128 must divide"):
+        kd.kivi_decode(q, *cache, nt, layer, **{**kw, "group_size": 128})
+    with pytest.raises(NotImplementedError, match="head dim"):
+        kd.kivi_decode(make_q(0, B, Hq, 96, jnp.float16), *cache, nt, layer, **kw)
+
+
+GPU_CASES = [  # larger shapes, native production variant
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, None),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, None),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, None),
+    (3, 32, 8, 128, 8192, 4, 2, 32, jnp.float16, None),
+    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.bfloat16, None),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(512, 3, 2)),
+    (2, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(1024, 2, 2)),
+    (2, 72, 4, 128, 4096, 2, 2, 64, jnp.float16, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("case", GPU_CASES, ids=[str(i) for i in range(len(GPU_CASES))])
+def test_gpu_matches_reference_and_is_deterministic(case):
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, tun = case
+    key = jax.random.key(B * 1000 + Tq + kb * 10 + vb + G)
+    ks = jax.random.split(key, 7)
+    L = 3
+    u8 = lambda k, s: jax.random.bits(k, s, jnp.uint8)  # random bytes: valid packed codes
+    f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
+    cache = (u8(ks[0], (L, B, Hkv, Tq * kb // 8, D)), f(ks[1], (L, B, Hkv, Tq // G, D), .02, .3),
+             f(ks[2], (L, B, Hkv, Tq // G, D), -.6, 0.), u8(ks[3], (L, B, Hkv, D, Tq * vb // 8)),
+             f(ks[4], (L, B, Hkv, D // G, Tq), .02, .3), f(ks[5], (L, B, Hkv, D // G, Tq), -.6, 0.))
+    q = jax.random.normal(ks[6], (B, Hq, D), jnp.float32).astype(dt)
+    rng = np.random.default_rng(Tq + B)
+    lengths = rng.integers(1, Tq + 1, B)
+    lengths[0] = 0
+    lengths[-1] = Tq - 13
+    nt = jnp.asarray(lengths, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D), tuning=tun)
+    fn = jax.jit(lambda q, nt, layer, *c: kd.kivi_decode(q, *c, nt, layer, **kw))
+    outs = []
+    for _ in range(2):
+        # Poison: fill and free a NaN buffer so the allocator hands its memory to the outputs;
+        # an element the kernel (or the merge) fails to write then shows up as NaN.
+        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
+        del poison
+        outs.append(jax.block_until_ready(fn(q, nt, jnp.int32(1), *cache)))
+    (o, lse), (o2, lse2) = outs
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
+        k: v for k, v in kw.items() if k != "tuning"})
+    compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
