@@ -422,6 +422,22 @@ def write_report(results_path: str | Path, docs_dir: str | Path, command: str) -
     if passkeys:
         merged = _merge_passkey(passkeys)
         plot_passkey(merged, docs / "accuracy_passkey.png")
+    lines += [
+        "## Checking a model of your own",
+        "",
+        "```",
+        "kivi-jax eval ppl --model PATH --cache fp16 --json          # streaming, P=1536 T=512 "
+        "x16",
+        "kivi-jax eval ppl --model PATH --cache kivi2 --group-size 32 --residual 128 --json",
+        "kivi-jax eval ppl --model PATH --cache kivi2 --protocol simulated --json",
+        "kivi-jax eval passkey --model PATH --cache fp16 --cache kivi2 --cache kivi4",
+        "kivi-jax eval report --model PATH --prefill 1536 --decode 512 --windows 16  # this page",
+        "```",
+        "",
+        "PATH is a .gguf file or a Hugging Face checkpoint directory of a Llama-family model; "
+        "`--text-file` scores any text instead of the pydoc corpus.",
+        "",
+    ]
     md = docs / "accuracy.md"
     md.write_text("\n".join(lines) + "\n")
     return md
