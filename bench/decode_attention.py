@@ -14,6 +14,7 @@ the kernel; fp16 K and V for cuDNN/XLA).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -206,16 +207,15 @@ def tune(rows, deadline):
     rows.append(cud)
     log(cud)
     TC = kd.TuningConfig
-    variants = [  # (key bits, value bits, G, tuning or None for choose_tuning, alt layout)
-        (2, 2, 128, None, False), (2, 2, 128, TC(256, 8, 3), False),
-        (2, 2, 128, TC(512, 8, 2), False), (2, 2, 128, TC(512, 4, 2), False),
+    cands = [None, TC(256, 8, 3), TC(512, 8, 2), TC(512, 4, 2), TC(256, 8, 2, p_concat=True),
+             TC(512, 8, 2, p_concat=True)]
+    variants = [(2, 2, 128, c, False) for c in cands] + [  # (K bits, V bits, G, tuning, alt)
         (2, 2, 128, TC(1024, 4, 2), False),
         (2, 2, 128, TC(256, 8, 2, skip="compute"), False),
         (2, 2, 128, TC(512, 8, 2, skip="compute"), False),
         (2, 2, 128, TC(256, 8, 2, skip="values"), False),
         (2, 2, 128, None, True), (2, 2, 128, TC(256, 8, 2, skip="compute"), True),
-        (2, 2, 32, None, False), (4, 4, 128, None, False), (4, 4, 128, TC(512, 8, 2), False),
-        (4, 2, 32, None, False),
+        (2, 2, 32, None, False), (4, 4, 128, None, False), (4, 2, 32, None, False),
     ]
     for kb, vb, G, tun, alt in variants:
         if time.time() > deadline:
@@ -223,20 +223,23 @@ def tune(rows, deadline):
             break
         try:
             r = bench_point(**base, kb=kb, vb=vb, G=G, tuning=tun, label="kivi-tune", alt=alt)
+            r["cfg"] = None if tun is None else tun
             r["speedup_vs_cudnn"] = cud["ms"] / r["ms"]
         except Exception as e:  # keep going: one bad variant should not lose the others
             r = dict(kind="kivi-tune", kb=kb, vb=vb, G=G, tuning=str(tun), error=repr(e)[:400])
         rows.append(r)
         log(r)
-    # The grid's step size: 512-token copies if they beat 256 at this anchor point.
-    t = {r["tuning"]: r["ms"] for r in rows if r.get("kind") == "kivi-tune" and "ms" in r
-         and r.get("kb") == 2 and r.get("G") == 128}
-    t256 = t.get(str(kd.choose_tuning(B, Hkv, T)), 1e9)
-    t512 = min(t.get(str(TC(512, 8, 2)), 1e9), t.get(str(TC(512, 4, 2)), 1e9))
-    return 512 if t512 < 0.97 * t256 else 256
+    # The grid's flags: the fastest full-kernel candidate at this anchor point.
+    best, best_ms = kd.choose_tuning(B, Hkv, T), 1e9
+    for r in rows:
+        if r.get("kind") == "kivi-tune" and "ms" in r and r["kb"] == 2 and r["G"] == 128:
+            c = r["cfg"]
+            if c in cands[1:] and r["ms"] < 0.97 * best_ms or c is None and r["ms"] < best_ms:
+                best, best_ms = (c or best), r["ms"]
+    return best
 
 
-def grid(rows, deadline, batches, block_tokens=256):
+def grid(rows, deadline, batches, flags=None):
     shapes = [(32, 8, 128), (64, 8, 128)]
     ts = [131072, 32768, 8192]
     bitsg = [(2, 128), (2, 32), (4, 128), (4, 32)]
@@ -257,8 +260,12 @@ def grid(rows, deadline, batches, block_tokens=256):
                     log(fp[impl])
                 for kb, G in bitsg:
                     try:
-                        tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
-                                               group_size=G, block_tokens=block_tokens)
+                        tun = kd.choose_tuning(
+                            B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G,
+                            block_tokens=flags.block_tokens if flags else None,
+                            stages=flags.stages if flags else 2)
+                        if flags is not None:
+                            tun = dataclasses.replace(tun, p_concat=flags.p_concat)
                         r = bench_point(**base, kb=kb, vb=kb, G=G, tuning=tun, reps=10)
                         if "ms" in fp["cudnn"]:
                             r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
@@ -305,15 +312,15 @@ def main():
             rows.append(bench_point(2, 32, 8, 128, 8192, 2, 2, 128, reps=3))
         if "check" in modes:
             log("CHECK", "PASS" if check(rows) else "FAIL")
-        blk = 256
+        flags = None
         if "tune" in modes:
-            blk = tune(rows, deadline - a.grid_s)
-            log(f"grid block_tokens: {blk}")
+            flags = tune(rows, deadline - a.grid_s)
+            log(f"grid flags from the tune: {flags}")
         if "grid" in modes:
-            grid(rows, deadline, [int(b) for b in a.batches.split(",")], blk)
+            grid(rows, deadline, [int(b) for b in a.batches.split(",")], flags)
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows, f, indent=1, default=str)
         log(table(rows))
 
 

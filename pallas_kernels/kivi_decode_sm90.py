@@ -53,7 +53,8 @@ class TuningConfig:
       bank conflicts on the register loads). overlap: dequantize the next plane while the
       current plane's wgmma runs (wait(1) instead of wait(0)). p_direct: store P^T
       in the accumulator layout (N padded to 16 for the 32-byte swizzle) instead of transposing it
-      through shuffles (N padded to 8). skip: benchmark-only ablation ("" for the real
+      through shuffles (N padded to 8). p_concat: transpose
+      the P tiles of all planes in one store. skip: benchmark-only ablation ("" for the real
       kernel; "compute" keeps only the load pipeline; "values" drops the value path).
     """
 
@@ -63,6 +64,7 @@ class TuningConfig:
     swizzle_codes: bool = False
     overlap: bool = True
     p_direct: bool = False
+    p_concat: bool = False
     skip: str = ""
 
     def __post_init__(self):
@@ -144,14 +146,16 @@ def _field_to_f16(x16, bits: int, j: int):
     return h - jnp.float16(off)
 
 
-def _group_vecs(scale_at, min_at, row0: int, shape, G: int):
+def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key):
     """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
     broadcast along rows (WGMMA layout). For G = 32 the tile holds two groups: the upper half
     of the rows takes the second (one select per element, the price of G < 64)."""
 
     def vec(at, g):
-        v = plgpu.load(at(g), (), layout=_WG.reduce(0))
-        return lax.broadcast_in_dim(v, shape, [1])
+        k = (key, at is min_at, g)
+        if k not in cache:  # planes of one group share the SMEM loads of its vectors
+            cache[k] = plgpu.load(at(g), (), layout=_WG.reduce(0))
+        return lax.broadcast_in_dim(cache[k], shape, [1])
 
     g = row0 // G
     if G >= PLANE:
@@ -221,7 +225,7 @@ def _make_kernel(
             if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
                 cache[r] = v["kcodes"](r).astype(jnp.uint16)
             c = _field_to_f16(cache[r], key_bits, p % Pk)
-            sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G)
+            sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G, cache, "k")
             return c * sc + mn
 
         def v_tile(v, p, m, cache):
@@ -230,7 +234,8 @@ def _make_kernel(
             if r not in cache:
                 cache[r] = v["vcodes"](*r).astype(jnp.uint16)
             c = _field_to_f16(cache[r], value_bits, p % Pv)
-            sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G)
+            sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
+                                 cache, ("v", p))
             return c * sc + mn
 
         def scores(v):
@@ -291,20 +296,27 @@ def _make_kernel(
             accs = tuple(a * ab for a in accs)
             if tuning.skip == "values":
                 return m_new, l_t, accs
-            # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads), stored in
-            # the accumulator's own layout: no transpose through shuffles.
-            for p in range(planes):
-                if tuning.p_direct:
+            # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
+            # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
+            # rows, one plane at a time or all planes in one store (p_concat).
+            if tuning.p_direct:
+                for p in range(planes):
                     p_s[p] = ps[p].astype(f16)
-                else:
+                pb = lambda p: p_s.at[p]
+            elif tuning.p_concat:
+                p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
+                pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
+            else:
+                for p in range(planes):
                     p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
+                pb = lambda p: p_s.at[p].T
             plgpu.commit_smem()
-            pb = (lambda p: p_s.at[p]) if tuning.p_direct else (lambda p: p_s.at[p].T)
             cache = {}
             if stage_smem:
                 new = []
                 for mt in range(mtiles):
                     def pv(acc, mt=mt):
+                        cache = {}  # values loaded in one scope must not leak into another
                         for p in range(planes):
                             vd_s[...] = v_tile(v, p, mt, cache)
                             plgpu.commit_smem()
@@ -371,8 +383,9 @@ def _make_kernel(
 
     scratch = [
         plgpu.SMEM((NP, D), f16, transforms=_swz(f16, D)),
-        plgpu.SMEM((planes, PLANE, NP) if tuning.p_direct else (planes, NP, PLANE), f16,
-                   transforms=_swz(f16, NP if tuning.p_direct else PLANE)),
+        (plgpu.SMEM((planes, PLANE, NP), f16, transforms=_swz(f16, NP)) if tuning.p_direct else
+         plgpu.SMEM((NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat else
+         plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
         plgpu.SMEM((D, NP), jnp.float32),
         plgpu.SMEM((NP,), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
