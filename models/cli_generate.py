@@ -35,6 +35,9 @@ def generate(
         "auto", "--implementation", help="decode attention: auto, reference, folded, pallas."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    stream: bool = typer.Option(
+        False, "--stream", help="Print tokens as they come (one jitted step per token)."
+    ),
 ) -> None:
     """Generate text with SmolLM2 (or another Llama-family model) over a quantized KV cache."""
     import jax
@@ -83,6 +86,10 @@ def generate(
             f"{jax.default_backend()} ({load_s:.1f} s to load)",
             file=status,
         )
+    if stream and not json_out:
+        _stream(gen, tok, params, config, ids, cache, max_new_tokens, sampling, seed,
+                implementation, cfg_kw)
+        return
     try:
         out = gen.generate(
             params,
@@ -145,3 +152,21 @@ def generate(
         f"{residual_length if kcfg else 0} tokens)",
         file=status,
     )
+
+
+def _stream(gen, tok, params, config, ids, cache, max_new_tokens, sampling, seed, impl, cfg_kw):
+    """Print the answer token by token through `models.generate.stream`."""
+    new: list[int] = []
+    shown = ""
+    t0 = time.perf_counter()
+    for t in gen.stream(params, config, ids, cache=cache, max_new_tokens=max_new_tokens,
+                        sampling=sampling, stop_ids=tok.eos_ids, seed=seed, implementation=impl,
+                        **cfg_kw):
+        new.append(t)
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    print()
+    dt = time.perf_counter() - t0
+    print(f"\n{len(new)} tokens in {dt:.1f} s, compilation included", file=sys.stderr)

@@ -294,3 +294,21 @@ def test_smollm2_tokenizer_matches_hf(smol_tok):
     assert smol_tok.encode(ref["digits"]["text"]) == ref["digits"]["ids"]
     assert smol_tok.bos_id == 1 and 2 in smol_tok.eos_ids and not smol_tok.add_bos
     assert smol_tok.encode("Hi", add_bos=True)[0] == 1
+
+
+def test_tokenizer_from_hf_dir(smol_tok, tmp_path):
+    """tokenizer.json + tokenizer_config.json (the HF layout) give the same ids and template."""
+    from models.tokenizer import Tokenizer
+
+    smol_tok.tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+        bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"}, add_bos_token=False,
+        chat_template=smol_tok.chat_template,
+    )))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert text == smol_tok.apply_chat_template("Hi there")
+    assert tok.encode(text) == smol_tok.encode(text)
+    assert tok.bos_id == 1 and tok.eos_id == 2 and tok.eos_ids == smol_tok.eos_ids
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path / "nope")
