@@ -121,13 +121,14 @@ def test_decode_matches_full_forward(cfg, cache_name):
     assert np.all(np.asarray(cache.lengths) == S)
 
 
-def test_kivi_short_window_quantizes(tiny_params):
-    """With R=32 and 72 tokens, decode runs through quantized K/V: near, not equal to, the
-    dense logits (so the comparison above is not vacuous)."""
+@pytest.mark.parametrize("name, group, residual", [("kivi2", 32, 32), ("k4v2", 16, 0)])
+def test_kivi_short_window_quantizes(tiny_params, name, group, residual):
+    """With a short window and 72 tokens, decode runs through quantized K/V: near, not equal
+    to, the dense logits (so the comparison above is not vacuous). Other bits/G/R too."""
     cfg, B, S, P = TINY, 1, 72, 68
     toks = jax.random.randint(jax.random.key(5), (B, S), 0, cfg.vocab_size)
     full, _ = prefill(tiny_params, cfg, toks, jnp.full((B,), S), None, all_logits=True)
-    cache = _cache("kivi2", cfg, B, 96, residual_length=32)
+    cache = _cache(name, cfg, B, 96, group_size=group, residual_length=residual)
     _, cache = prefill(tiny_params, cfg, toks[:, :P], jnp.full((B,), P), cache)
     for t in range(P, S):
         lg, cache = decode_step(tiny_params, cfg, toks[:, t], cache)
