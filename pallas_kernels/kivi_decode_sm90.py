@@ -38,6 +38,7 @@ SUPPORTED_BITS = (2, 4)
 SUPPORTED_GROUPS = (32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_PADDED_HEADS = 256  # wgmma N limit
+SMEM_LIMIT = 223 * 1024  # H200: 227 KiB per block, less a margin for Mosaic's own scratch
 _WG = plgpu.Layout.WGMMA
 _WGT = plgpu.Layout.WGMMA_TRANSPOSED
 _MMA_DTYPE = jnp.float16  # fp16 wgmma operands: 3 more mantissa bits than bf16 for the codes
@@ -553,6 +554,14 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
                          f"for key_bits={key_bits}, value_bits={value_bits}, G={group_size}")
     if Tq % tuning.block_tokens:
         raise ValueError(f"Tq={Tq} must be a multiple of tuning.block_tokens={tuning.block_tokens}")
+    if tuning.block_tokens > 256 * (8 // key_bits):  # a TMA box is at most 256 rows
+        raise ValueError(f"tuning.block_tokens={tuning.block_tokens} > {256 * (8 // key_bits)} "
+                         f"(256 rows of {key_bits}-bit key codes per copy)")
+    smem = smem_bytes(tuning, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                      head_dim=D, padded_heads=max(8, -(-(q.shape[1] // Hkv) // 8) * 8))
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"tuning={tuning} needs about {smem} bytes of shared memory "
+                         f"(limit {SMEM_LIMIT}): fewer stages or smaller block_tokens")
     return _kivi_decode(q, (k_codes, k_scale, k_min, v_codes, v_scale, v_min), num_tokens, layer,
                         key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                         sm_scale=float(sm_scale), tuning=tuning, interpret=interpret,

@@ -182,6 +182,10 @@ def test_argument_errors():
         kd.kivi_decode(make_q(0, B, 3, D, jnp.float16), *cache, nt, layer, **kw)
     with pytest.raises(ValueError, match="group_size=128 must divide"):
         kd.kivi_decode(q, *cache, nt, layer, **{**kw, "group_size": 128})
+    with pytest.raises(ValueError, match="shared memory"):
+        big = make_cache(0, 1, B, Hkv, D, 2048, 4, 4, 32)
+        kd.kivi_decode(q, *big, nt, layer, **{**kw, "key_bits": 4, "value_bits": 4,
+                                              "group_size": 32}, tuning=TC(512, 1, 8))
     with pytest.raises(NotImplementedError, match="head dim"):
         kd.kivi_decode(make_q(0, B, Hq, 96, jnp.float16), *cache, nt, layer, **kw)
 
@@ -193,7 +197,7 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 4, 2, 32, jnp.float16, None),
     (2, 16, 16, 64, 4096, 2, 4, 64, jnp.bfloat16, None),
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(512, 3, 2)),
-    (2, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(1024, 2, 2)),
+    (2, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(1024, 2, 2)),
     (2, 72, 4, 128, 4096, 2, 2, 64, jnp.float16, None),
 ]
 
