@@ -107,8 +107,15 @@ def _fake_results(path):
 def test_write_report_tables_and_plots(tmp_path):
     results = tmp_path / "results.jsonl"
     _fake_results(results)
-    md = report.write_report(results, tmp_path / "docs", "kivi-jax eval report")
+    extra = tmp_path / "long.jsonl"
+    extra.write_text("\n".join(json.dumps(
+        {"ppl": p, "cache": c, "group_size": 32, "residual_length": 128, "bits_per_element": b,
+         "n_tokens": 2048, "protocol": "streaming", "prefill": 1536, "decode": 512, "windows": 4,
+         "seconds": 9.0}) for c, b, p in (("kivi2", 3.0, 11.0), ("fp16", 16.0, 10.0))))
+    md = report.write_report(results, tmp_path / "docs", "kivi-jax eval report", extra=(extra,))
     text = md.read_text()
+    assert "## Perplexity, streaming protocol, P=1536, T=512, 4 windows" in text
+    assert "Ordering: fp16 (10.00) < kivi2 (11.00)." in text
     assert "| kivi2 | 32 | 128 | 3.00 | 12.500 | +25.0% | 512 | 3 |" in text
     assert "| pertoken2 | 32 | n/a | 3.00 | 40.000 | +300.0% |" in text
     assert "not run: head_dim=64 must be a multiple of 128" in text

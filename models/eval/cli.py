@@ -159,6 +159,10 @@ def report_cmd(
     decode: Annotated[int, typer.Option(help="T for the grid")] = 128,
     windows: Annotated[int, typer.Option(help="Windows for the grid")] = 4,
     trials: Annotated[int, typer.Option(help="Passkey keys per cell")] = 2,
+    extra_ppl: Annotated[
+        list[str] | None,
+        typer.Option(help="Files of `eval ppl --json` lines to add as tables (repeatable)"),
+    ] = None,
     write_only: Annotated[
         bool, typer.Option(help="Only write the report from the results file")
     ] = False,
@@ -173,5 +177,5 @@ def report_cmd(
     if not write_only:
         report.run_grid(results, settings, log=lambda m: typer.echo(m))
     command = "kivi-jax eval report " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-    md = report.write_report(results, docs, command.strip())
+    md = report.write_report(results, docs, command.strip(), extra=tuple(extra_ppl or ()))
     typer.echo(f"wrote {md}")

@@ -356,8 +356,17 @@ def plot_keys(rec: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results_path: str | Path, docs_dir: str | Path, command: str) -> Path:
-    """Write docs/accuracy.md and the plots from a results file; returns the markdown path."""
+def write_report(
+    results_path: str | Path,
+    docs_dir: str | Path,
+    command: str,
+    extra: tuple[str | Path, ...] = (),
+) -> Path:
+    """Write docs/accuracy.md and the plots from a results file; returns the markdown path.
+
+    extra: files of `kivi-jax eval ppl --json` lines, each rendered as one more perplexity
+    table (e.g. longer windows than the grid's).
+    """
     records = read_results(results_path)
     docs = Path(docs_dir)
     docs.mkdir(parents=True, exist_ok=True)
@@ -397,6 +406,8 @@ def write_report(results_path: str | Path, docs_dir: str | Path, command: str) -
         ]
     lines += _observations(stream, sim)
     lines += _ppl_tables(stream, sim)
+    for path in extra:
+        lines += _extra_table(read_results(path), Path(path).name)
     lines += _passkey_tables(passkeys)
     lines += _memory_section()
     if keys is not None:
@@ -658,4 +669,35 @@ def _memory_section() -> list[str]:
             f"{r['max_tokens_at_batch']:,} |"
         )
     out += ["", "Notes: " + "; ".join(res["notes"]) + ".", ""] if res["notes"] else [""]
+    return out
+
+
+def _extra_table(recs: list[dict], filename: str) -> list[str]:
+    recs = [r for r in recs if "ppl" in r]
+    if not recs:
+        return []
+    r0 = recs[0]
+    command = (
+        f"kivi-jax eval ppl --cache NAME --group-size G --residual R --prefill {r0['prefill']} "
+        f"--decode {r0['decode']} --windows {r0['windows']} --protocol {r0['protocol']} --json "
+        f">> {filename}"
+    )
+    base = next((r["ppl"] for r in recs if r["cache"] == "fp16"), None)
+    out = [
+        f"## Perplexity, {r0['protocol']} protocol, P={r0['prefill']}, T={r0['decode']}, "
+        f"{r0['windows']} windows",
+        "",
+        f"{r0['windows'] * r0['decode']} scored tokens per cache; one command per cache:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(recs, key=_order):
+        out.append(_row(r, base))
+    got = sorted(((r["cache"], r["ppl"]) for r in recs), key=lambda x: x[1])
+    out += ["", "Ordering: " + " < ".join(f"{n} ({v:.2f})" for n, v in got) + ".", ""]
     return out
