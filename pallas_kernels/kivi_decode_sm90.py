@@ -14,12 +14,17 @@ Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
 a code field is turned into an fp16 value with one and/or (magic-number trick: the field is
 or-ed into the mantissa of 2^(10 - bits*j), whose unit in the last place is then exactly 1), one
-exact subtraction, and one multiply-add with the group's scale and minimum. The scale cannot be
-folded into q on the tensor-core path for G < 64 (one M tile of 64 tokens would need two
-different B operands) and folding both minimums needs cross-warp reductions; with fp16x2
-arithmetic the elementwise form costs about as much as folding would. `kivi_decode_reference`
-computes the same function in float32 in the folded form (scales into q / p, minimums as
-biases), so kernel and twin are two different factorizations of one formula.
+exact subtraction, and one multiply-add with the group's scale and minimum (fp16x2: three
+instructions per pair of elements). Folding the key scale into q would drop the multiply-add
+but needs q * s per token group in SMEM as a wgmma operand and, for G = 32, two wgmmas per
+64-token tile; it is not implemented (a lead in docs/performance.md). G = 32 tiles hold two
+groups and select the scale per row. `kivi_decode_reference` computes the same function in
+float32 in the folded form (scales into q / p, minimums as biases), so kernel and twin are two
+different factorizations of one formula.
+
+Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
+and scaled by sm_scale in float32 before the cast to fp16: bf16 queries work as long as
+|q * sm_scale| < 65504.
 """
 
 from __future__ import annotations
@@ -48,20 +53,23 @@ _MMA_DTYPE = jnp.float16  # fp16 wgmma operands: 3 more mantissa bits than bf16 
 class TuningConfig:
     """Static launch parameters of `kivi_decode`.
 
-    block_tokens: tokens per pipeline step (a multiple of 64 * codes-per-byte of both K and V
-      and of the group size). num_splits: thread blocks per (b, h) along the token axis.
-    stages: TMA buffers in flight. swizzle_codes: keep the code tiles swizzled in SMEM (fewer
-      bank conflicts on the register loads). overlap: dequantize the next plane while the
-      current plane's wgmma runs (wait(1) instead of wait(0)). p_direct: store P^T
-      in the accumulator layout (N padded to 16 for the 32-byte swizzle) instead of transposing it
-      through shuffles (N padded to 8). p_concat: transpose
-      the P tiles of all planes in one store. skip: benchmark-only ablation ("" for the real
-      kernel; "compute" keeps only the load pipeline; "values" drops the value path).
+    block_tokens: tokens per TMA copy step (a multiple of 64 * codes-per-byte of K and V and
+      of G); steps above 256 tokens are computed in 256-token sub-steps.
+    num_splits: thread blocks per (b, h) along the token axis (flash-decoding).
+    stages: TMA steps in flight.
+    swizzle_codes: keep the code tiles swizzled in SMEM.
+    overlap: dequantize plane p+1 while plane p's wgmma runs (wait(1) instead of wait(0)).
+    p_direct: store P^T in the accumulator layout (N padded to 16 for the 32-byte swizzle)
+      instead of transposing it through shuffles (N padded to 8).
+    p_concat: transpose the P tiles of all planes of a sub-step in one store.
+    skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
+      pipeline, "values" drops the value product.
+    Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
     block_tokens: int = 256
     num_splits: int = 8
-    stages: int = 3
+    stages: int = 2
     swizzle_codes: bool = False
     overlap: bool = True
     p_direct: bool = False
@@ -103,10 +111,11 @@ def choose_tuning(
 
     Steps of 256 tokens, 2 stages. Splits: the grid is B * Hkv * S blocks run in waves of
     num_sms * (blocks per SM); S minimizes waves * (steps per split + 2), the 2 standing for a
-    block's fixed cost (prologue, epilogue) in steps. Measured on the H200, B=8, Hkv=8,
-    T=128k, 2-bit G=128 (docs/performance.md): S=4/6/8/12/16 gave 0.73/0.72/0.66-0.68/0.68/
-    0.70 ms; 512-token steps were slower than 256 (0.80 vs 0.72 ms); 4-bit: 256-token steps
-    0.755 ms vs 128-token 0.83 ms.
+    block's fixed cost (prologue, epilogue) in steps; near-ties go to more splits. Measured on
+    the H200, B=8, Hkv=8, T=128k, 2-bit G=128 (docs/performance.md, run-to-run spread ~10%):
+    S=4/6/8/12/16 gave 0.73/0.72/0.66-0.68/0.68/0.70 ms (v2); 512-token copies were slower
+    than 256 (v2 0.80 vs 0.72 ms, v3 0.66 vs 0.555 ms); 4-bit: 256-token steps 0.755 ms vs
+    128-token 0.83 ms. `block_tokens`/`stages` override the defaults.
     """
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
@@ -117,7 +126,7 @@ def choose_tuning(
     base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages)
     smem = smem_bytes(base, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                       head_dim=head_dim, padded_heads=8)
-    # ~250 registers per thread (ptxas, 2-bit G128) allow 2 blocks of 128 threads per SM.
+    # 219-243 registers per thread (ptxas, run 5) allow 2 blocks of 128 threads per SM.
     per_sm = max(1, min(2, (227 * 1024) // smem))
     slots = num_sms * per_sm
     bh = batch * kv_heads
@@ -539,12 +548,17 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     reads both itself). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log
     sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
 
-    `interpret`: False for the GPU, or a `plgpu.InterpretGPUParams` to run the SMEM-staged
-    variant under the CPU interpreter. Raises ValueError on bad shapes/dtypes and
-    NotImplementedError on unsupported bits, group sizes, head dims or dtypes.
+    `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the SMEM-staged
+    variant under the Mosaic GPU interpreter (any backend). Raises ValueError on bad
+    shapes/dtypes or a tuning that does not fit, NotImplementedError on unsupported bits,
+    group sizes, head dims or dtypes.
     """
     _, B, _, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                         num_tokens, layer, key_bits, value_bits, group_size)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    elif interpret is None:
+        interpret = False
     if tuning is None:
         tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
                                group_size=group_size, head_dim=D)
@@ -565,7 +579,7 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     return _kivi_decode(q, (k_codes, k_scale, k_min, v_codes, v_scale, v_min), num_tokens, layer,
                         key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                         sm_scale=float(sm_scale), tuning=tuning, interpret=interpret,
-                        stage_smem=interpret is not False and interpret is not None)
+                        stage_smem=interpret is not False)
 
 
 def _unpack_layer(codes, bits, axis):

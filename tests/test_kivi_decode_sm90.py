@@ -147,6 +147,12 @@ def test_reference_matches_plain_attention(case):
     compare(ro, rlse, po, plse, 1e-5)
 
 
+def test_interpret_true_means_gpu_interpreter():
+    """attention.py passes interpret=True (a bool): same SMEM-staged interpreter path."""
+    case = CASES[0]
+    _run_case(case, seed=3, interpret=True)
+
+
 def test_tuning_config_validates():
     with pytest.raises(ValueError, match="block_tokens"):
         kd.TuningConfig(block_tokens=96)
