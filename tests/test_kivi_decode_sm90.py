@@ -108,6 +108,12 @@ def _run_case(case, seed, interpret):
     kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
     o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(layer), **kw, tuning=tun,
                             interpret=interpret)
+    o, lse = jax.block_until_ready((o, lse))
+    if interpret is not False:
+        # The interpreter records races instead of raising: check the kernel just run.
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+
+        assert not ipc.get_races().races_found, "GPU interpreter detected a data race"
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
     compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
 
@@ -149,8 +155,7 @@ def test_reference_matches_plain_attention(case):
 
 def test_interpret_true_means_gpu_interpreter():
     """attention.py passes interpret=True (a bool): same SMEM-staged interpreter path."""
-    case = CASES[0]
-    _run_case(case, seed=3, interpret=True)
+    _run_case(CASES[0], seed=3, interpret=True)
 
 
 def test_tuning_config_validates():
