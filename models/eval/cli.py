@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from typing import Annotated
 
 import typer
@@ -176,6 +175,9 @@ def report_cmd(
     )
     if not write_only:
         report.run_grid(results, settings, log=lambda m: typer.echo(m))
-    command = "kivi-jax eval report " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-    md = report.write_report(results, docs, command.strip(), extra=tuple(extra_ppl or ()))
+    # The command that reproduces the grid (the same whether this call ran it or only wrote).
+    args = ["--results", results, "--docs", docs, "--model", model, "--prefill", str(prefill),
+            "--decode", str(decode), "--windows", str(windows), "--trials", str(trials)]
+    command = "kivi-jax eval report " + " ".join(shlex.quote(a) for a in args)
+    md = report.write_report(results, docs, command, extra=tuple(extra_ppl or ()))
     typer.echo(f"wrote {md}")
