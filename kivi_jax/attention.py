@@ -191,6 +191,17 @@ def pallas_available() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+def _kernel_applies(q: Array, cache: KiviCache) -> bool:
+    """Whether "auto" should try the Pallas kernel: a Hopper GPU, KIVI axes, 16-bit q and
+    fp16 scales (what the kernel reads); finer limits raise NotImplementedError there."""
+    return (
+        pallas_available()
+        and cache.config.is_kivi
+        and cache.config.scale_dtype == "float16"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+    )
+
+
 def decode_attention(
     q: Array,
     cache: KiviCache | DenseCache,
@@ -222,10 +233,14 @@ def decode_attention(
         o, _ = _kivi_reference(qg, cache, layer)
     elif implementation == "folded":
         o, _ = _kivi_folded(qg, cache, layer)
-    elif implementation == "pallas" or (
-        implementation == "auto" and pallas_available() and cache.config.is_kivi
-    ):
+    elif implementation == "pallas":
         o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret)
+    elif implementation == "auto" and _kernel_applies(q, cache):
+        # tokamax-style dispatch: a kernel that declines a case at trace time falls back.
+        try:
+            o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret)
+        except NotImplementedError:
+            o, _ = _kivi_reference(qg, cache, layer)
     else:
         o, _ = _kivi_reference(qg, cache, layer)
     return o.reshape(q.shape).astype(q.dtype)
