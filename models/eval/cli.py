@@ -41,9 +41,9 @@ def ppl_cmd(
         int | None, typer.Option(help="Windows per batch (default: all at once)")
     ] = None,
     dtype: DtypeOpt = "float32",
-    implementation: Annotated[str, typer.Option(help="Decode attention implementation")] = (
-        "reference"
-    ),
+    implementation: Annotated[
+        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas")
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Perplexity through a KV cache: streaming (prefill P, decode T through the cache) or
@@ -108,9 +108,9 @@ def passkey_cmd(
     ] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per answer")] = 10,
     dtype: DtypeOpt = "float32",
-    implementation: Annotated[str, typer.Option(help="Decode attention implementation")] = (
-        "reference"
-    ),
+    implementation: Annotated[
+        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas")
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Passkey retrieval accuracy per (length, depth), greedy, for each cache on the same keys."""
