@@ -412,6 +412,17 @@ class _CacheOps:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
 
 
+def _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype) -> None:
+    dims = dict(
+        num_layers=num_layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len
+    )
+    for name, val in dims.items():
+        if not isinstance(val, int | np.integer) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+
+
 def check_capacity(cache) -> None:
     """Raise ValueError on the host if any row of `cache` overflowed its capacity."""
     over = np.asarray(cache.overflowed)
@@ -450,18 +461,8 @@ class KiviCache(_CacheOps):
         """An empty cache for `max_len` tokens per row; residual windows in `dtype`."""
         if not isinstance(config, KiviConfig):
             raise ValueError(f"config must be a KiviConfig, got {type(config).__name__}")
-        for name, val in (
-            ("num_layers", num_layers),
-            ("batch", batch),
-            ("kv_heads", kv_heads),
-            ("head_dim", head_dim),
-            ("max_len", max_len),
-        ):
-            if not isinstance(val, int | np.integer) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype)
         config.check_head_dim(head_dim)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         g, r = config.group_size, config.residual_length
         cap = _round_up(max_len, max(BLOCK_TOKENS, g))
         common = dict(
@@ -572,17 +573,7 @@ class DenseCache(_CacheOps):
         max_len: int,
         dtype=jnp.bfloat16,
     ) -> DenseCache:
-        for name, val in (
-            ("num_layers", num_layers),
-            ("batch", batch),
-            ("kv_heads", kv_heads),
-            ("head_dim", head_dim),
-            ("max_len", max_len),
-        ):
-            if not isinstance(val, int | np.integer) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype)
         shape = (num_layers, batch, kv_heads, max_len, head_dim)
         return DenseCache(
             jnp.zeros(shape, dtype),
