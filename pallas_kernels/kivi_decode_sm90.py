@@ -64,6 +64,14 @@ class TuningConfig:
     p_concat: transpose the P tiles of all planes of a sub-step in one store.
     skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
       pipeline, "values" drops the value product.
+    fold_k: fold the key scale into q per token group (opt-in, see `_make_kernel`): key codes
+      enter wgmma as raw fp16 integers (one and/or + one subtraction per element pair, no
+      multiply-add, no selects); B = q * s_g per group, the bias q . z_g comes from a second
+      wgmma (a ones tile times q * z_g). G = 32: two wgmmas per 64-token plane (one per
+      group) and one select per score element.
+    reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
+      keeping it in registers across the 8/bits planes it holds (fewer live registers, more
+      SMEM loads).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -75,6 +83,8 @@ class TuningConfig:
     p_direct: bool = False
     p_concat: bool = False
     skip: str = ""
+    fold_k: bool = False
+    reload_codes: bool = False
 
     def __post_init__(self):
         if self.block_tokens <= 0 or self.block_tokens % 128:
@@ -99,7 +109,11 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
     TS, D, G = tuning.block_tokens, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
-    return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096
+    fold = 0
+    if tuning.fold_k:  # q * s_g and q * z_g per group of a sub-step, the ones tile, q^T f32
+        ngs = min(TS, 256) // G
+        fold = ngs * padded_heads * (D + PLANE) * 2 + PLANE * PLANE * 2 + D * padded_heads * 4
+    return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
 
 
 def choose_tuning(
@@ -188,12 +202,17 @@ def _make_kernel(
     mtiles = D // PLANE
     VCH = SUB  # value-scale chunk: the sub-step
     f16 = jnp.float16
+    fold = tuning.fold_k
+    NGS = SUB // G  # key groups per sub-step
+    reload = tuning.reload_codes
 
     n_in = 4 if alt_layout else 6
 
     def body(meta_g, q_g, *refs):
+        if fold:
+            qt_g, *refs = refs
         gmem = refs[:n_in]
-        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar = refs[n_in:]
+        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *fold_refs = refs[n_in:]
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         s = lax.axis_index("s")
@@ -207,6 +226,35 @@ def _make_kernel(
 
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
+        if fold:
+            qt_s, bq_s, qz_s, ones_s, bar2 = fold_refs
+            plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
+            plgpu.barrier_wait(bar2)
+            ones_s[...] = plgpu.layout_cast(jnp.full((PLANE, PLANE), 1.0, f16), _WG)
+            plgpu.commit_smem()
+
+        def fold_prep(v):
+            """B operands of the folded key product for every group g of the sub-step:
+            bq_s[g] = (q * s_g) as [N, D] and qz_s[g] = sum over the D/64 channel tiles of
+            q * z_g as [N, 64] (fp16; products in f32), so that for a token t of group g
+            S^T[t] = codes[t] . bq_s[g]^T + ones[t] . qz_s[g]^T = q . (codes[t] * s_g + z_g).
+            """
+            qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+            for g in range(NGS):
+                qs, qz = [], None
+                for mt in range(mtiles):
+                    cols = pl.ds(mt * PLANE, PLANE)
+                    sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
+                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                    qs.append((qt[mt] * sb).astype(f16))
+                    t = qt[mt] * zb
+                    qz = t if qz is None else qz + t
+                qs = qs[0] if mtiles == 1 else jnp.concatenate(qs, axis=0)
+                bq_s.at[g].T[...] = plgpu.layout_cast(qs, _WGT)
+                qz_s.at[g].T[...] = plgpu.layout_cast(qz.astype(f16), _WGT)
+            plgpu.commit_smem()
 
         def views(refs, u):
             """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout)."""
@@ -229,27 +277,85 @@ def _make_kernel(
                 vscale=lambda p: (lambda g: vsz_s.at[g, u, 0, pl.ds(p * PLANE, PLANE)]),
                 vmin=lambda p: (lambda g: vsz_s.at[g, u, 1, pl.ds(p * PLANE, PLANE)]))
 
+        def k_codes(v, p, cache):
+            """Raw key codes of plane p of the step as exact fp16 integers: (64 tokens, D)."""
+            r = p // Pk
+            if reload:
+                x = v["kcodes"](r).astype(jnp.uint16)
+            else:
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                    cache[r] = v["kcodes"](r).astype(jnp.uint16)
+                x = cache[r]
+            return _field_to_f16(x, key_bits, p % Pk)
+
+        def plane_groups(p):
+            """Key groups (indices within the sub-step) of plane p: one, or two for G = 32."""
+            g0 = p * PLANE // G
+            return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
+
         def k_tile(v, p, cache):
             """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
-            r = p // Pk
-            if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                cache[r] = v["kcodes"](r).astype(jnp.uint16)
-            c = _field_to_f16(cache[r], key_bits, p % Pk)
+            c = k_codes(v, p, cache)
             sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G, cache, "k")
             return c * sc + mn
 
         def v_tile(v, p, m, cache):
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             r = (p // Pv, m)
-            if r not in cache:
-                cache[r] = v["vcodes"](*r).astype(jnp.uint16)
-            c = _field_to_f16(cache[r], value_bits, p % Pv)
+            if reload:
+                x = v["vcodes"](*r).astype(jnp.uint16)
+            else:
+                if r not in cache:
+                    cache[r] = v["vcodes"](*r).astype(jnp.uint16)
+                x = cache[r]
+            c = _field_to_f16(x, value_bits, p % Pv)
             sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
                                  cache, ("v", p))
             return c * sc + mn
 
+        def scores_folded(v):
+            """S^T tiles with the key scale folded into q: raw codes times bq_s[g], plus the
+            bias tile ones . qz_s[g]; G = 32 planes take rows [0, 32) from group 2p and rows
+            [32, 64) from group 2p+1 (one select per score element)."""
+            cache = {}
+            ng = len(plane_groups(0))
+
+            def issue(accs, a, p):
+                for i, g in enumerate(plane_groups(p)):
+                    plgpu.wgmma(accs[i], a, bq_s.at[g].T)
+                    plgpu.wgmma(accs[i], ones_s, qz_s.at[g].T)
+
+            if stage_smem:
+                def f(*accs, c, p):
+                    kd_s[...] = c
+                    plgpu.commit_smem()
+                    issue(accs, kd_s, p)
+                    plgpu.wgmma_wait(0)
+                    return [a[...] for a in accs]
+                outs = [pl.run_scoped(functools.partial(f, c=k_codes(v, p, cache), p=p),
+                                      *[plgpu.ACC((PLANE, NP), jnp.float32)] * ng)
+                        for p in range(planes)]
+            else:
+                def f(*accs):
+                    for p in range(planes):
+                        issue(accs[p * ng:(p + 1) * ng], k_codes(v, p, cache), p)
+                        if p and tuning.overlap:
+                            plgpu.wgmma_wait(2 * ng)
+                        elif not tuning.overlap:
+                            plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(0)
+                    return [a[...] for a in accs]
+                flat = pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * (planes * ng))
+                outs = [flat[p * ng:(p + 1) * ng] for p in range(planes)]
+            if ng == 1:
+                return [o[0] for o in outs]
+            lo = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG) < G
+            return [jnp.where(lo, o[0], o[1]) for o in outs]
+
         def scores(v):
             """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
+            if fold:
+                return scores_folded(v)
             cache = {}
             if stage_smem:
                 def f(acc, tile):
@@ -288,6 +394,8 @@ def _make_kernel(
 
         def sub_step(refs, tok0, u, carry):
             v = views(refs, u)
+            if fold:
+                fold_prep(v)
             m_run, l_t, accs = carry
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
             st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
@@ -404,6 +512,14 @@ def _make_kernel(
         plgpu.SMEM((PLANE, PLANE) if stage_smem else (8, 64), f16, transforms=_swz(f16, 64)),
         plgpu.Barrier(),
     ]
+    if fold:
+        scratch += [
+            plgpu.SMEM((mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied), f32
+            plgpu.SMEM((NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
+            plgpu.SMEM((NGS, NP, PLANE), f16, transforms=_swz(f16, PLANE)),  # q * z_g, summed
+            plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)),  # ones
+            plgpu.Barrier(),
+        ]
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
@@ -503,7 +619,11 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
     # sm_scale is applied in float32 before the cast to the fp16 wgmma operand.
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
-    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0))).astype(_MMA_DTYPE)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
+    # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
+    extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
+             if tuning.fold_k else ())
+    qf = qf.astype(_MMA_DTYPE)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:
@@ -515,7 +635,7 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
-    o_parts, lse_parts = kern(meta, qf, *cache)
+    o_parts, lse_parts = kern(meta, qf, *extra, *cache)
     o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
     return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
 
