@@ -2,7 +2,8 @@
 
 CPU (CI): the SMEM-staged variant under the Mosaic GPU interpreter with race detection, on
 small random caches (bits 2/4 and K4V2, G 32/64/128, GQA ratios, ragged lengths incl. 0 and
-partial blocks, D 64/128, a nonzero layer); the production variant cross-lowered for sm_90;
+partial blocks, D 64/128, a nonzero layer) and the opt-in TuningConfig flags (fold_k,
+reload_codes); the production variant cross-lowered for sm_90 (flags too);
 the twin against a plain dequantize-then-softmax attention; argument errors.
 GPU (skipped elsewhere): the production variant natively on larger shapes, outputs poisoned
 first, deterministic run to run.
@@ -151,6 +152,29 @@ def test_reference_matches_plain_attention(case):
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
     po, plse = plain_attention(q, cache, lengths, layer, **kw)
     compare(ro, rlse, po, plse, 1e-5)
+
+
+# Opt-in TuningConfig flags (fold_k, reload_codes): small shapes, each flag in the interpreter
+# (G = 32 with its two wgmmas per plane, 4-bit with one group per sub-step, D = 64) and
+# cross-lowered.
+FLAG_CASES = [
+    (2, 8, 1, 128, 256, 2, 2, 32, jnp.float16, (256, 65), 1,
+     TC(256, 1, 2, fold_k=True, reload_codes=True)),
+    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2, fold_k=True)),
+    (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2, TC(256, 1, 2, reload_codes=True)),
+]
+FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-fold{int(c[-1].fold_k)}-reload"
+            f"{int(c[-1].reload_codes)}" for c in FLAG_CASES]
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
+def test_interpret_tuning_flags_match_reference(case):
+    _run_case(case, seed=11, interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
+def test_tuning_flags_cross_lower_for_sm90(case):
+    test_production_variant_cross_lowers_for_sm90(case)
 
 
 def test_interpret_true_means_gpu_interpreter():
