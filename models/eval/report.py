@@ -404,6 +404,9 @@ def write_report(
             "defaults (P=1536, T=512, 16 windows) to fit the CPU budget of this run.",
             "",
         ]
+    notes = docs / "accuracy_notes.md"  # hand-written reading of the numbers, kept on rewrite
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
     lines += _observations(stream, sim)
     lines += _ppl_tables(stream, sim)
     for path in extra:
