@@ -3,6 +3,12 @@
     PYTHONPATH=. python3 bench/decode_attention.py --mode grid [--out DIR]
     PYTHONPATH=. python3 bench/decode_attention.py --mode tune      # variants at B=8, T=128k
     PYTHONPATH=. python3 bench/decode_attention.py --mode check     # GPU correctness only
+    PYTHONPATH=. python3 bench/decode_attention.py --mode variants --ptxas  # flags vs default
+
+`--mode variants` (one process): checks each opt-in TuningConfig variant natively against the
+float32 twin (outputs poisoned, run twice for determinism), then times the default tuning and
+each variant at B=8, T=128k, 32/8/128 for 2-bit/4-bit x G=128/32 with cuDNN fp16 as the
+baseline, with ptxas register counts per compiled kernel (`--ptxas`), and prints a table last.
 
 The whole grid (18 shapes x 4 kernel configs + cuDNN + XLA) needs more than one 10-minute
 device call (Mosaic compiles take seconds each): split it, e.g. `--hq 32 --ts 32768,8192`.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -285,6 +292,183 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
             log(rows[-1])
 
 
+VARIANTS = [  # (name, TuningConfig fields replaced on top of choose_tuning's default)
+    ("fold_k", dict(fold_k=True)),
+    ("fold_k+reload", dict(fold_k=True, reload_codes=True)),
+    ("reload", dict(reload_codes=True)),
+    ("fold_k+512", dict(fold_k=True, block_tokens=512)),
+]
+
+
+VARIANT_CHECKS = [  # (B, Hq, Hkv, D, T, kb, vb, G, dtype): 4-bit G=32 and 2-bit G=128
+    (3, 32, 8, 128, 4096, 4, 4, 32, jnp.float16),
+    (2, 32, 8, 128, 4096, 2, 2, 128, jnp.bfloat16),
+]
+VARIANT_POINT = (8, 32, 8, 128, 131072)  # (B, Hq, Hkv, D, T) of the timings
+
+
+def variant_tuning(B, Hkv, T, kb, vb, G, fields):
+    fields = dict(fields)
+    blk = fields.pop("block_tokens", None)
+    base = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=vb, group_size=G, block_tokens=blk)
+    return dataclasses.replace(base, **fields)
+
+
+class PtxasLog:
+    """Register counts of the kernels compiled since the last call (MOSAIC_GPU_DUMP_PTXAS)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.seen = set(os.listdir(path)) if path and os.path.isdir(path) else set()
+
+    def new(self):
+        if not self.path or not os.path.isdir(self.path):
+            return None
+        import re
+
+        regs = []
+        for f in sorted(set(os.listdir(self.path)) - self.seen):
+            self.seen.add(f)
+            if f.endswith(".ptxas"):
+                with open(os.path.join(self.path, f), errors="replace") as fh:
+                    regs += [int(x) for x in re.findall(r"Used (\d+) registers", fh.read())]
+        return regs
+
+
+def _decode_call(q, nt, layer, *cache, kw, tun):
+    return kd.kivi_decode(q, *cache, nt, layer, **kw, tuning=tun)
+
+
+def variants(rows, deadline, ptx):
+    """(a) native numerics of every variant vs the twin, (b) default vs variants at 128k."""
+    ok_all = True
+    for i, (B, Hq, Hkv, D, T, kb, vb, G, dt) in enumerate(VARIANT_CHECKS):
+        key = jax.random.key(500 + i)
+        cache = make_cache(key, 3, B, Hkv, D, T, kb, vb, G)
+        q = jax.random.normal(jax.random.fold_in(key, 7), (B, Hq, D), jnp.float32).astype(dt)
+        nt = jnp.asarray(np.random.default_rng(50 + i).integers(1, T + 1, B), jnp.int32)
+        nt = nt.at[0].set(0).at[-1].set(T - 37)
+        kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+        ro, rlse = (np.asarray(x) for x in kd.kivi_decode_reference(q, *cache, nt, jnp.int32(2),
+                                                                     **kw))
+        fin = np.isfinite(rlse)
+        for name, fields in [("default", {})] + VARIANTS:
+            t0 = time.time()
+            try:
+                tun = variant_tuning(B, Hkv, T, kb, vb, G, fields)
+                fn = jax.jit(functools.partial(_decode_call, kw=kw, tun=tun))
+                outs = []
+                for _ in range(2):
+                    poison = jnp.full((256 << 20,), jnp.nan, jnp.float32).block_until_ready()
+                    del poison
+                    outs.append([np.asarray(x) for x in jax.block_until_ready(
+                        fn(q, nt, jnp.int32(2), *cache))])
+                (o, lse), (o2, lse2) = outs
+                err = float(np.abs(o - ro).max() / max(1e-6, np.abs(ro).max()))
+                lerr = float(np.abs(lse[fin] - rlse[fin]).max())
+                same_inf = bool((np.isfinite(lse) == fin).all() and (lse[~fin] == -np.inf).all())
+                det = bool((o2 == o).all() and (lse2 == lse).all())
+                ok = bool(err < 5e-3 and lerr < 5e-3 and same_inf and det
+                          and np.isfinite(o).all() and (o[~fin] == 0).all())
+                row = dict(kind="check", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
+                           vb=vb, G=G, dtype=jnp.dtype(dt).name, tuning=str(tun), rel_err=err,
+                           lse_err=lerr, det=det, ok=ok, regs=ptx.new(),
+                           s=round(time.time() - t0, 1))
+            except Exception as e:
+                ok = False
+                row = dict(kind="check", variant=name, kb=kb, vb=vb, G=G, ok=False,
+                           error=repr(e)[:600], regs=ptx.new())
+            ok_all &= ok
+            rows.append(row)
+            log(row)
+        del cache
+    log("CHECK", "PASS" if ok_all else "FAIL")
+
+    B, Hq, Hkv, D, T = VARIANT_POINT
+    try:
+        cud = bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
+    except Exception as e:
+        cud = dict(kind="cudnn", B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, ms=float("nan"),
+                   error=repr(e)[:300])
+    rows.append(cud)
+    log(cud)
+    points = [(2, 128), (2, 32), (4, 128), (4, 32)]
+    # Priority passes (the run is time-capped): default and fold_k everywhere first.
+    passes = [[("default", {}), VARIANTS[0]], [VARIANTS[1], VARIANTS[2]], [VARIANTS[3]],
+              [("default-again", {})]]
+    caches = {}
+    for vs in passes:
+        for kb, G in points:
+            for name, fields in vs:
+                if time.time() > deadline:
+                    log("variants: time cap reached")
+                    return
+                qb = quant_bytes(B, Hkv, D, T, kb, kb, G)
+                L = layers_for(qb)
+                if (kb, G) not in caches:
+                    caches[(kb, G)] = make_cache(jax.random.key(kb * 1000 + G), L, B, Hkv, D, T,
+                                                 kb, kb, G)
+                cache = caches[(kb, G)]
+                q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(
+                    jnp.bfloat16)
+                nt = jnp.full((B,), T, jnp.int32)
+                kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+                t0 = time.time()
+                try:
+                    tun = variant_tuning(B, Hkv, T, kb, kb, G, fields)
+                    t, ts = time_layers(kivi_fn(L, kw, tun), (q, nt, *cache), reps=10)
+                    r = dict(kind="variant", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
+                             vb=kb, G=G, tuning=str(tun), ms=1e3 * t / L, TBps=qb * L / t / 1e12,
+                             bytes=qb, L=L, spread_ms=[1e3 * min(ts) / L, 1e3 * max(ts) / L],
+                             speedup_vs_cudnn=cud["ms"] / (1e3 * t / L), regs=ptx.new(),
+                             s=round(time.time() - t0, 1))
+                except Exception as e:
+                    r = dict(kind="variant", variant=name, kb=kb, vb=kb, G=G,
+                             error=repr(e)[:600], regs=ptx.new())
+                rows.append(r)
+                log(r)
+
+
+def variants_table(rows):
+    lines = ["| check | variant | K/V bits | G | rel err o | err lse | det | regs | ok |",
+             "|" + "---|" * 9]
+    for r in rows:
+        if r.get("kind") == "check" and "variant" in r:
+            lines.append(f"| {r.get('B')}x{r.get('T')} {r.get('dtype')} | {r['variant']} | "
+                         f"{r['kb']}/{r['vb']} | {r['G']} | {r.get('rel_err', float('nan')):.1e}"
+                         f" | {r.get('lse_err', float('nan')):.1e} | {r.get('det')} | "
+                         f"{r.get('regs')} | {r['ok']} {r.get('error', '')[:80]} |")
+    base = {}
+    for r in rows:
+        if r.get("kind") == "variant" and r.get("variant") == "default" and "ms" in r:
+            base[(r["kb"], r["G"])] = r["ms"]
+    cud = [r["ms"] for r in rows if r.get("kind") == "cudnn" and "ms" in r]
+    lines += ["", f"cuDNN fp16 B=8 T=128k 32/8/128: {cud[0]:.3f} ms" if cud else "no cuDNN row",
+              "", "| K/V bits | G | variant | ms | x cuDNN | x default | regs | tuning |",
+              "|" + "---|" * 8]
+    for r in rows:
+        if r.get("kind") != "variant":
+            continue
+        if "ms" not in r:
+            lines.append(f"| {r['kb']}/{r['vb']} | {r['G']} | {r['variant']} | ERROR "
+                         f"{r.get('error', '')[:120]} | | | {r.get('regs')} | |")
+            continue
+        b = base.get((r["kb"], r["G"]))
+        lines.append(f"| {r['kb']}/{r['vb']} | {r['G']} | {r['variant']} | {r['ms']:.3f} | "
+                     f"{r['speedup_vs_cudnn']:.2f} | {b / r['ms'] if b else float('nan'):.2f} | "
+                     f"{r.get('regs')} | {short_tuning(r['tuning'])} |")
+    return "\n".join(lines)
+
+
+def short_tuning(text):
+    """TuningConfig(block_tokens=256, num_splits=8, ...) -> '256,8,2 fold_k' (non-defaults)."""
+    import re
+
+    f = dict(re.findall(r"(\w+)=([^,)]+)", text))
+    flags = [k for k, v in f.items() if v == "True" and k not in ("overlap",)]
+    return f"{f.get('block_tokens')},{f.get('num_splits')},{f.get('stages')} " + " ".join(flags)
+
+
 def table(rows):
     lines = ["| B | Hq/Hkv/D | T | impl | bits | G | ms | TB/s | x cuDNN |", "|" + "---|" * 9]
     for r in rows:
@@ -306,7 +490,15 @@ def main():
     ap.add_argument("--ts", default="131072,8192,32768", help="cache lengths of the grid")
     ap.add_argument("--budget_s", type=float, default=500)
     ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="dump ptxas output (MOSAIC_GPU_DUMP_PTXAS) and report register counts")
     a = ap.parse_args()
+    ptx_dir = None
+    if a.ptxas:  # read by Mosaic GPU when it compiles, so setting it here (before) is enough
+        ptx_dir = "/tmp/mosaic_gpu_dump"
+        os.makedirs(ptx_dir, exist_ok=True)
+        os.environ["MOSAIC_GPU_DUMP_TO"] = ptx_dir
+        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     global ROWS_FILE
     ROWS_FILE = os.path.join(a.out, "rows.jsonl")
     deadline = time.time() + a.budget_s
@@ -318,6 +510,8 @@ def main():
             rows.append(bench_point(2, 32, 8, 128, 8192, 2, 2, 128, reps=3))
         if "check" in modes:
             log("CHECK", "PASS" if check(rows) else "FAIL")
+        if "variants" in modes:
+            variants(rows, deadline, PtxasLog(ptx_dir))
         flags = None
         if "tune" in modes:
             flags = tune(rows, deadline - a.grid_s)
@@ -328,7 +522,7 @@ def main():
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
             json.dump(rows, f, indent=1, default=str)
-        log(table(rows))
+        log(variants_table(rows) if "variants" in modes else table(rows))
 
 
 if __name__ == "__main__":
