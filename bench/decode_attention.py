@@ -294,9 +294,10 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
 
 VARIANTS = [  # (name, TuningConfig fields replaced on top of choose_tuning's default)
     ("fold_k", dict(fold_k=True)),
-    ("fold_k+reload", dict(fold_k=True, reload_codes=True)),
-    ("reload", dict(reload_codes=True)),
-    ("fold_k+512", dict(fold_k=True, block_tokens=512)),
+    ("fold_k+lean", dict(fold_k=True, reload_codes=True, lean_values=True)),
+    ("lean", dict(reload_codes=True, lean_values=True)),  # fewer live registers alone
+    ("fold_k+lean+512", dict(fold_k=True, reload_codes=True, lean_values=True,
+                             block_tokens=512)),
 ]
 
 

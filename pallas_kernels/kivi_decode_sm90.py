@@ -72,6 +72,8 @@ class TuningConfig:
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
+    lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
+      is in flight (at most two dequantized V tiles live instead of 2 * D/64).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -85,6 +87,7 @@ class TuningConfig:
     skip: str = ""
     fold_k: bool = False
     reload_codes: bool = False
+    lean_values: bool = False
 
     def __post_init__(self):
         if self.block_tokens <= 0 or self.block_tokens % 128:
@@ -449,7 +452,11 @@ def _make_kernel(
                         for mt in range(mtiles):
                             plgpu.wgmma(acc_refs[mt], v_tile(v, p, mt, cache),
                                         pb(p))
-                        if p and tuning.overlap:
+                            if tuning.lean_values:
+                                plgpu.wgmma_wait(1)
+                        if tuning.lean_values:
+                            pass
+                        elif p and tuning.overlap:
                             plgpu.wgmma_wait(mtiles)
                         elif not tuning.overlap:
                             plgpu.wgmma_wait(0)
