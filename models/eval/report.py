@@ -398,10 +398,12 @@ def write_report(
     if stream or sim:
         r0 = (stream or sim)[0]
         lines += [
-            f"Perplexity parameters for every number below: P={r0['prefill']} prefill tokens, "
+            f"Perplexity parameters of the grid (the orderings and the two grid tables): "
+            f"P={r0['prefill']} prefill tokens, "
             f"T={r0['decode']} scored tokens per window, {r0['windows']} non-overlapping windows "
             f"({r0['windows'] * r0['decode']} scored tokens). These are reduced from the CLI "
-            "defaults (P=1536, T=512, 16 windows) to fit the CPU budget of this run.",
+            "defaults (P=1536, T=512, 16 windows) to fit the CPU budget of this run"
+            + ("; longer runs have their own tables below." if extra else "."),
             "",
         ]
     notes = docs / "accuracy_notes.md"  # hand-written reading of the numbers, kept on rewrite
@@ -509,7 +511,7 @@ def _row(r: dict, base: float | None) -> str:
         res = "n/a"
     if "error" in r:
         return (f"| {r['cache']} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
-                f"not run: {r['error']} | | | |")
+                f"not run: {r['error'].split(' (')[0]} | | | |")
     rel = "" if base is None else f"{(r['ppl'] / base - 1) * 100:+.1f}%"
     return (f"| {r['cache']} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
             f"{rel} | {r['n_tokens']} | {r['seconds']:.0f} |")
