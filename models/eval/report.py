@@ -273,26 +273,37 @@ def plot_ppl(records: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {"streaming": ("o", "C0"), "simulated": ("s", "C3")}
-    for proto, (marker, color) in styles.items():
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    markers = {"streaming": "o", "simulated": "s"}
+    names = [n for n in _NAME_ORDER if n != "fp16"]
+    colors = {n: f"C{i}" for i, n in enumerate(names)}
+    seen = set()
+    for proto, marker in markers.items():
         rs = [r for r in records if r.get("protocol") == proto and "ppl" in r]
-        if not rs:
-            continue
-        ax.scatter([r["bits_per_element"] for r in rs], [r["ppl"] for r in rs], marker=marker,
-                   color=color, label=f"{proto}", alpha=0.8)
         for r in rs:
-            if proto == "streaming" and (r["cache"] in ("fp16", "pertoken2", "pertoken4",
-                                                        "valchannel2", "k4v2")
-                                         or r.get("residual_length") == 128):
-                ax.annotate(_label(r), (r["bits_per_element"], r["ppl"]), fontsize=7,
-                            xytext=(4, 2), textcoords="offset points")
-    ax.set_xlabel("bits per cached K/V element (scales included)")
+            if r["cache"] == "fp16":
+                ax.axhline(r["ppl"], color="k", ls="--" if proto == "streaming" else ":", lw=1,
+                           label=f"fp16 (16 bits), {proto}")
+                continue
+            label = r["cache"] if r["cache"] not in seen else None
+            seen.add(r["cache"])
+            ax.scatter(r["bits_per_element"], r["ppl"], marker=marker,
+                       color=colors.get(r["cache"], "grey"), s=36, alpha=0.85, label=label,
+                       facecolors="none" if proto == "simulated" else None)
+            if r["cache"] == "kivi2":
+                tag = f"G{r['group_size']}" + (
+                    f" R{r['residual_length']}" if proto == "streaming" else " sim")
+                ax.annotate(tag, (r["bits_per_element"], r["ppl"]), fontsize=6.5,
+                            xytext=(5, -2), textcoords="offset points")
+    ax.set_xlabel("bits per cached K/V element (scales included; fp16 = 16, drawn as lines)")
     ax.set_ylabel("perplexity (pydoc)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    ax.set_title("SmolLM2-135M-Instruct: perplexity against cache bits")
+    ax.legend(fontsize=8, title="filled: streaming, open: simulated", title_fontsize=8)
+    r0 = next((r for r in records if "prefill" in r), None)
+    sub = "" if r0 is None else (f" (P={r0['prefill']}, T={r0['decode']}, "
+                                 f"{r0['windows']} windows)")
+    ax.set_title(f"{records[0].get('model', '')}: perplexity against cache bits{sub}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -307,7 +318,8 @@ def plot_passkey(results: list[dict], out: Path) -> None:
     n = len(results)
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False,
+                             layout="constrained")
     for ax, res in zip(axes.ravel(), results, strict=False):
         lengths = sorted({c["length"] for c in res["cells"]})
         depths = sorted({c["depth"] for c in res["cells"]})
@@ -318,14 +330,15 @@ def plot_passkey(results: list[dict], out: Path) -> None:
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{int(d * 100)}%" for d in depths])
         ax.set_title(f"{_label(res)}: {res['accuracy']:.2f}", fontsize=9)
-        ax.set_xlabel("prompt length")
-        ax.set_ylabel("needle depth")
+        ax.set_xlabel("prompt length (tokens)", fontsize=8)
+        ax.set_ylabel("needle depth", fontsize=8)
         for (i, j), a in np.ndenumerate(grid):
             if not np.isnan(a):
                 ax.text(j, i, f"{a:.1f}", ha="center", va="center", fontsize=8)
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle("Passkey retrieval accuracy (greedy) per cache")
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
