@@ -395,8 +395,9 @@ def write_report(
         "dequantized to float32, so float32 compute and float32 residual/dense caches). "
         "Corpus: `pydoc` "
         f"({env.get('corpus_tokens', '?')} tokens).",
-        f"Run: {env.get('date', '?')}, {env.get('machine', '?')}, Python "
-        f"{env.get('python', '?')}, backend "
+        f"Run: {env.get('date', '?')}, {env.get('machine', '?')}"
+        + (f", Python {env['python']}" if "python" in env else "")
+        + ", backend "
         f"{env.get('backend', '?')} ({env.get('devices', '?')}); kivi-jax "
         f"{env.get('kivi_jax', '?')}, jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')},"
         f" flax {env.get('flax', '?')}.",
