@@ -252,12 +252,14 @@ def evaluate_passkey(
     max_positions: int | None = None,
     implementation: str = "reference",
     on_cell=None,
+    batch_size: int | None = None,
 ) -> list[dict]:
     """Passkey accuracy per (length, depth) cell over `trials` keys for each cache in `specs`.
 
     Every cache sees the same prompts (the same keys) and the same exact prefill. Returns one
     JSON-able dict per cache: the grid, the overall accuracy, every answer, and timing.
-    on_cell(length, depth) is called after each cell (progress). Raises ValueError for a length
+    on_cell(length, depth) is called after each cell (progress). batch_size bounds the prompts
+    prefilled at once (the prefill's attention scores grow as B S^2). Raises ValueError for a length
     beyond the model's context, trials < 1 or a cache that cannot take the model's head_dim.
     """
     if trials < 1:
@@ -283,14 +285,19 @@ def evaluate_passkey(
                 for k in keys
             ]
             t0 = time.perf_counter()
-            outs = greedy_generate_shared(
-                params,
-                model_config,
-                [p.tokens for p in prompts],
-                specs,
-                max_new_tokens=max_new_tokens,
-                implementation=implementation,
-            )
+            step = batch_size or len(prompts)
+            chunks = [
+                greedy_generate_shared(
+                    params,
+                    model_config,
+                    [p.tokens for p in prompts[i : i + step]],
+                    specs,
+                    max_new_tokens=max_new_tokens,
+                    implementation=implementation,
+                )
+                for i in range(0, len(prompts), step)
+            ]
+            outs = {spec: np.concatenate([c[spec] for c in chunks], axis=0) for spec in specs}
             dt = time.perf_counter() - t0
             for spec, out in outs.items():
                 res = results[spec]

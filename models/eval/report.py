@@ -53,7 +53,8 @@ class GridSettings:
     passkey_lengths: tuple[int, ...] = (1024, 2048, 4096)
     passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     passkey_long_lengths: tuple[int, ...] = (8192,)
-    passkey_long_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    passkey_long_depths: tuple[float, ...] = (0.25, 0.75)
+    passkey_long_batch: int = 1  # an 8k prefill's attention scores are B x 9 x 8k x 8k floats
     passkey_trials: int = 2
     key_layers: tuple[int, ...] = KEY_LAYERS
 
@@ -89,7 +90,8 @@ def plan(settings: GridSettings) -> list[dict]:
                           "spec": s})
     tasks.append({"id": "passkey:long", "kind": "passkey",
                   "lengths": settings.passkey_long_lengths,
-                  "depths": settings.passkey_long_depths})
+                  "depths": settings.passkey_long_depths,
+                  "batch_size": settings.passkey_long_batch})
     seen, out = set(), []
     for t in tasks:
         if t["id"] not in seen:
@@ -221,6 +223,7 @@ def run_grid(
                     depths=t["depths"], trials=settings.passkey_trials,
                     max_positions=config.max_position_embeddings,
                     on_cell=lambda n, d: log(f"  passkey cell {n} {d}"),
+                    batch_size=t.get("batch_size"),
                 )
         except ValueError as e:  # a config the model cannot take (e.g. G > head_dim)
             rec["error"] = str(e)
