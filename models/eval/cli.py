@@ -107,6 +107,9 @@ def passkey_cmd(
         bool, typer.Option(help="Wrap the prompt in the model's chat template")
     ] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per answer")] = 10,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Prompts prefilled at once (default: all trials)")
+    ] = None,
     dtype: DtypeOpt = "float32",
     implementation: Annotated[
         str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas")
@@ -135,6 +138,7 @@ def passkey_cmd(
             seed=seed, chat_template=chat_template, max_new_tokens=max_new_tokens,
             max_positions=config.max_position_embeddings, implementation=implementation,
             on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
+            batch_size=batch_size,
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
