@@ -294,18 +294,22 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
 
 VARIANTS = [  # (name, TuningConfig fields replaced on top of choose_tuning's default)
     ("fold_k", dict(fold_k=True)),
+    ("fold_kv", dict(fold_k=True, fold_v=True)),
     ("fold_k+lean", dict(fold_k=True, reload_codes=True, lean_values=True)),
     ("lean", dict(reload_codes=True, lean_values=True)),  # fewer live registers alone
+    ("fold_kv+lean", dict(fold_k=True, fold_v=True, reload_codes=True, lean_values=True)),
     ("fold_k+lean+512", dict(fold_k=True, reload_codes=True, lean_values=True,
                              block_tokens=512)),
 ]
-
-
+# Variants in priority order (the run is time-capped): each group is checked, then timed.
+VARIANT_GROUPS = [["fold_k", "fold_kv"], ["fold_k+lean", "lean"],
+                  ["fold_kv+lean", "fold_k+lean+512"]]
 VARIANT_CHECKS = [  # (B, Hq, Hkv, D, T, kb, vb, G, dtype): 4-bit G=32 and 2-bit G=128
     (3, 32, 8, 128, 4096, 4, 4, 32, jnp.float16),
     (2, 32, 8, 128, 4096, 2, 2, 128, jnp.bfloat16),
 ]
 VARIANT_POINT = (8, 32, 8, 128, 131072)  # (B, Hq, Hkv, D, T) of the timings
+VARIANT_BITS_G = [(2, 128), (2, 32), (4, 128), (4, 32)]
 
 
 def variant_tuning(B, Hkv, T, kb, vb, G, fields):
@@ -340,9 +344,8 @@ def _decode_call(q, nt, layer, *cache, kw, tun):
     return kd.kivi_decode(q, *cache, nt, layer, **kw, tuning=tun)
 
 
-def variants(rows, deadline, ptx):
-    """(a) native numerics of every variant vs the twin, (b) default vs variants at 128k."""
-    ok_all = True
+def _check_inputs():
+    out = []
     for i, (B, Hq, Hkv, D, T, kb, vb, G, dt) in enumerate(VARIANT_CHECKS):
         key = jax.random.key(500 + i)
         cache = make_cache(key, 3, B, Hkv, D, T, kb, vb, G)
@@ -350,41 +353,50 @@ def variants(rows, deadline, ptx):
         nt = jnp.asarray(np.random.default_rng(50 + i).integers(1, T + 1, B), jnp.int32)
         nt = nt.at[0].set(0).at[-1].set(T - 37)
         kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
-        ro, rlse = (np.asarray(x) for x in kd.kivi_decode_reference(q, *cache, nt, jnp.int32(2),
-                                                                     **kw))
-        fin = np.isfinite(rlse)
-        for name, fields in [("default", {})] + VARIANTS:
-            t0 = time.time()
-            try:
-                tun = variant_tuning(B, Hkv, T, kb, vb, G, fields)
-                fn = jax.jit(functools.partial(_decode_call, kw=kw, tun=tun))
-                outs = []
-                for _ in range(2):
-                    poison = jnp.full((256 << 20,), jnp.nan, jnp.float32).block_until_ready()
-                    del poison
-                    outs.append([np.asarray(x) for x in jax.block_until_ready(
-                        fn(q, nt, jnp.int32(2), *cache))])
-                (o, lse), (o2, lse2) = outs
-                err = float(np.abs(o - ro).max() / max(1e-6, np.abs(ro).max()))
-                lerr = float(np.abs(lse[fin] - rlse[fin]).max())
-                same_inf = bool((np.isfinite(lse) == fin).all() and (lse[~fin] == -np.inf).all())
-                det = bool((o2 == o).all() and (lse2 == lse).all())
-                ok = bool(err < 5e-3 and lerr < 5e-3 and same_inf and det
-                          and np.isfinite(o).all() and (o[~fin] == 0).all())
-                row = dict(kind="check", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
-                           vb=vb, G=G, dtype=jnp.dtype(dt).name, tuning=str(tun), rel_err=err,
-                           lse_err=lerr, det=det, ok=ok, regs=ptx.new(),
-                           s=round(time.time() - t0, 1))
-            except Exception as e:
-                ok = False
-                row = dict(kind="check", variant=name, kb=kb, vb=vb, G=G, ok=False,
-                           error=repr(e)[:600], regs=ptx.new())
-            ok_all &= ok
-            rows.append(row)
-            log(row)
-        del cache
-    log("CHECK", "PASS" if ok_all else "FAIL")
+        ref = [np.asarray(x) for x in kd.kivi_decode_reference(q, *cache, nt, jnp.int32(2), **kw)]
+        out.append((VARIANT_CHECKS[i], cache, q, nt, kw, ref))
+    return out
 
+
+def _check_variant(name, fields, inputs, ptx):
+    """Native numerics of one variant vs the float32 twin: outputs poisoned, run twice."""
+    rows, ok_all = [], True
+    for (B, Hq, Hkv, D, T, kb, vb, G, dt), cache, q, nt, kw, (ro, rlse) in inputs:
+        fin = np.isfinite(rlse)
+        t0 = time.time()
+        try:
+            tun = variant_tuning(B, Hkv, T, kb, vb, G, fields)
+            fn = jax.jit(functools.partial(_decode_call, kw=kw, tun=tun))
+            outs = []
+            for _ in range(2):
+                poison = jnp.full((256 << 20,), jnp.nan, jnp.float32).block_until_ready()
+                del poison
+                outs.append([np.asarray(x) for x in jax.block_until_ready(
+                    fn(q, nt, jnp.int32(2), *cache))])
+            (o, lse), (o2, lse2) = outs
+            err = float(np.abs(o - ro).max() / max(1e-6, np.abs(ro).max()))
+            lerr = float(np.abs(lse[fin] - rlse[fin]).max())
+            same_inf = bool((np.isfinite(lse) == fin).all() and (lse[~fin] == -np.inf).all())
+            det = bool((o2 == o).all() and (lse2 == lse).all())
+            ok = bool(err < 5e-3 and lerr < 5e-3 and same_inf and det
+                      and np.isfinite(o).all() and (o[~fin] == 0).all())
+            row = dict(kind="check", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb, vb=vb,
+                       G=G, dtype=jnp.dtype(dt).name, tuning=str(tun), rel_err=err,
+                       lse_err=lerr, det=det, ok=ok, regs=ptx.new(),
+                       s=round(time.time() - t0, 1))
+        except Exception as e:
+            ok = False
+            row = dict(kind="check", variant=name, B=B, T=T, dtype=jnp.dtype(dt).name, kb=kb,
+                       vb=vb, G=G, ok=False, error=repr(e)[:600], regs=ptx.new())
+        ok_all &= ok
+        rows.append(row)
+        log(row)
+    return rows, ok_all
+
+
+def variants(rows, deadline, ptx):
+    """Per group of variants: (a) native numerics vs the twin, (b) time vs the default at
+    B=8, T=128k for 2/4-bit x G=128/32; cuDNN fp16 timed first in the same process."""
     B, Hq, Hkv, D, T = VARIANT_POINT
     try:
         cud = bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
@@ -393,20 +405,31 @@ def variants(rows, deadline, ptx):
                    error=repr(e)[:300])
     rows.append(cud)
     log(cud)
-    points = [(2, 128), (2, 32), (4, 128), (4, 32)]
-    # Priority passes (the run is time-capped): default and fold_k everywhere first.
-    passes = [[("default", {}), VARIANTS[0]], [VARIANTS[1], VARIANTS[2]], [VARIANTS[3]],
-              [("default-again", {})]]
-    caches = {}
-    for vs in passes:
-        for kb, G in points:
-            for name, fields in vs:
+    inputs = _check_inputs()
+    fields_of = dict(VARIANTS, default={}, **{"default-again": {}})
+    caches, failed, ok_all = {}, set(), True
+    for names in [["default"]] + VARIANT_GROUPS + [["default-again"]]:
+        for name in names:
+            if name.startswith("default"):
+                continue
+            if time.time() > deadline:
+                break
+            r, ok = _check_variant(name, fields_of[name], inputs, ptx)
+            rows.extend(r)
+            ok_all &= ok
+            if not ok:
+                failed.add(name)
+        for kb, G in VARIANT_BITS_G:
+            for name in names:
                 if time.time() > deadline:
                     log("variants: time cap reached")
+                    log("CHECK", "PASS" if ok_all else "FAIL", sorted(failed))
                     return
+                if name in failed:
+                    continue
                 qb = quant_bytes(B, Hkv, D, T, kb, kb, G)
                 L = layers_for(qb)
-                if (kb, G) not in caches:
+                if (kb, G) not in caches:  # L distinct layers: each call streams all of them
                     caches[(kb, G)] = make_cache(jax.random.key(kb * 1000 + G), L, B, Hkv, D, T,
                                                  kb, kb, G)
                 cache = caches[(kb, G)]
@@ -416,7 +439,7 @@ def variants(rows, deadline, ptx):
                 kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
                 t0 = time.time()
                 try:
-                    tun = variant_tuning(B, Hkv, T, kb, kb, G, fields)
+                    tun = variant_tuning(B, Hkv, T, kb, kb, G, fields_of[name])
                     t, ts = time_layers(kivi_fn(L, kw, tun), (q, nt, *cache), reps=10)
                     r = dict(kind="variant", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
                              vb=kb, G=G, tuning=str(tun), ms=1e3 * t / L, TBps=qb * L / t / 1e12,
@@ -428,6 +451,7 @@ def variants(rows, deadline, ptx):
                              error=repr(e)[:600], regs=ptx.new())
                 rows.append(r)
                 log(r)
+    log("CHECK", "PASS" if ok_all else "FAIL", sorted(failed))
 
 
 def variants_table(rows):

@@ -72,6 +72,10 @@ class TuningConfig:
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
+    fold_v: fold the value scale into P per token and channel group (opt-in): value codes
+      enter wgmma raw, B = P * s_v (per channel group), the bias P . z_v from a ones-tile
+      wgmma; G = 32: two accumulators per 64-channel tile (one per group), rows picked at
+      the end.
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
@@ -88,6 +92,7 @@ class TuningConfig:
     fold_k: bool = False
     reload_codes: bool = False
     lean_values: bool = False
+    fold_v: bool = False
 
     def __post_init__(self):
         if self.block_tokens <= 0 or self.block_tokens % 128:
@@ -116,6 +121,8 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     if tuning.fold_k:  # q * s_g and q * z_g per group of a sub-step, the ones tile, q^T f32
         ngs = min(TS, 256) // G
         fold = ngs * padded_heads * (D + PLANE) * 2 + PLANE * PLANE * 2 + D * padded_heads * 4
+    if tuning.fold_v:  # P * s_v and P * z_v per plane and channel group, the ones tile
+        fold += 2 * min(TS, 256) * (D // G) * padded_heads * 2 + PLANE * PLANE * 2
     return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
 
 
@@ -208,6 +215,12 @@ def _make_kernel(
     fold = tuning.fold_k
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
+    fold_v = tuning.fold_v
+    DG = D // G  # value channel groups
+    VG = max(1, PLANE // G)  # value channel groups per 64-channel tile (2 for G = 32)
+    NACC = mtiles * VG if fold_v else mtiles
+    extra_names = ((["qt_s", "bq_s", "qz_s", "bar2"] if fold else [])
+                   + (["ones_s"] if fold or fold_v else []) + (["pv_s", "pz_s"] if fold_v else []))
 
     n_in = 4 if alt_layout else 6
 
@@ -215,7 +228,10 @@ def _make_kernel(
         if fold:
             qt_g, *refs = refs
         gmem = refs[:n_in]
-        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *fold_refs = refs[n_in:]
+        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *extra = refs[n_in:]
+        ex = dict(zip(extra_names, extra, strict=True))
+        ones_s = ex.get("ones_s")
+        pv_s, pz_s = ex.get("pv_s"), ex.get("pz_s")
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         s = lax.axis_index("s")
@@ -230,9 +246,10 @@ def _make_kernel(
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
         if fold:
-            qt_s, bq_s, qz_s, ones_s, bar2 = fold_refs
+            qt_s, bq_s, qz_s, bar2 = ex["qt_s"], ex["bq_s"], ex["qz_s"], ex["bar2"]
             plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
             plgpu.barrier_wait(bar2)
+        if ones_s is not None:
             ones_s[...] = plgpu.layout_cast(jnp.full((PLANE, PLANE), 1.0, f16), _WG)
             plgpu.commit_smem()
 
@@ -302,8 +319,8 @@ def _make_kernel(
             sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G, cache, "k")
             return c * sc + mn
 
-        def v_tile(v, p, m, cache):
-            """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+        def v_codes(v, p, m, cache):
+            """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             r = (p // Pv, m)
             if reload:
                 x = v["vcodes"](*r).astype(jnp.uint16)
@@ -311,7 +328,16 @@ def _make_kernel(
                 if r not in cache:
                     cache[r] = v["vcodes"](*r).astype(jnp.uint16)
                 x = cache[r]
-            c = _field_to_f16(x, value_bits, p % Pv)
+            return _field_to_f16(x, value_bits, p % Pv)
+
+        def vgroups(m):
+            """Value channel groups of channel tile m: one, or two for G = 32."""
+            g0 = m * PLANE // G
+            return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
+
+        def v_tile(v, p, m, cache):
+            """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+            c = v_codes(v, p, m, cache)
             sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
                                  cache, ("v", p))
             return c * sc + mn
@@ -417,6 +443,8 @@ def _make_kernel(
             accs = tuple(a * ab for a in accs)
             if tuning.skip == "values":
                 return m_new, l_t, accs
+            if fold_v:
+                return m_new, l_t, values_folded(v, ps, accs)
             # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
             # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
             # rows, one plane at a time or all planes in one store (p_concat).
@@ -464,10 +492,64 @@ def _make_kernel(
                 accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
             return m_new, l_t, accs
 
+        def values_folded(v, ps, accs):
+            """O^T += raw V codes . (P * s_v[cg])^T + ones . (P * z_v[cg])^T per channel group
+            cg; accs: VG accumulators per 64-channel tile (G = 32: rows of group 2m in the
+            first, of group 2m+1 in the second)."""
+            for p in range(planes):
+                for cg in range(DG):
+                    sv = plgpu.load(v["vscale"](p)(cg), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(cg), (), layout=_WG.reduce(1))
+                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                    pv_s.at[p * DG + cg].T[...] = plgpu.layout_cast((ps[p] * sb).astype(f16),
+                                                                    _WGT)
+                    pz_s.at[p * DG + cg].T[...] = plgpu.layout_cast((ps[p] * zb).astype(f16),
+                                                                    _WGT)
+            plgpu.commit_smem()
+
+            def issue(accs_m, a, p, m):
+                for i, cg in enumerate(vgroups(m)):
+                    plgpu.wgmma(accs_m[i], a, pv_s.at[p * DG + cg].T)
+                    plgpu.wgmma(accs_m[i], ones_s, pz_s.at[p * DG + cg].T)
+
+            if stage_smem:
+                new = list(accs)
+                for mt in range(mtiles):
+                    def pv(*accs_m, mt=mt):
+                        cache = {}
+                        for p in range(planes):
+                            vd_s[...] = v_codes(v, p, mt, cache)
+                            plgpu.commit_smem()
+                            issue(accs_m, vd_s, p, mt)
+                            plgpu.wgmma_wait(0)
+                        return [a[...] for a in accs_m]
+                    outs = pl.run_scoped(pv, *[plgpu.ACC((PLANE, NP), jnp.float32)] * VG)
+                    for i in range(VG):
+                        new[mt * VG + i] = new[mt * VG + i] + outs[i]
+                return tuple(new)
+
+            cache = {}
+
+            def pv(acc_refs):
+                for p in range(planes):
+                    for mt in range(mtiles):
+                        issue(acc_refs[mt * VG:(mt + 1) * VG], v_codes(v, p, mt, cache), p, mt)
+                        if tuning.lean_values:
+                            plgpu.wgmma_wait(2 * VG)
+                    if tuning.lean_values:
+                        pass
+                    elif p and tuning.overlap:
+                        plgpu.wgmma_wait(2 * VG * mtiles)
+                    elif not tuning.overlap:
+                        plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(0)
+            return pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+
         m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
         l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
         a0 = tuple(plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-                   for _ in range(mtiles))
+                   for _ in range(NACC))
         kc_rows, g_rows = TS // Pk, TS // G
         v_cols = TS // Pv
         ktf = _swz(jnp.uint8, D) if tuning.swizzle_codes else ()
@@ -498,6 +580,9 @@ def _make_kernel(
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
         ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
+        if fold_v and VG > 1:  # rows [0, 32) from the first group's accumulator
+            lo = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG) < G
+            accs = [jnp.where(lo, accs[mt * VG], accs[mt * VG + 1]) for mt in range(mtiles)]
         for mt in range(mtiles):
             o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
         lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
@@ -524,9 +609,12 @@ def _make_kernel(
             plgpu.SMEM((mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied), f32
             plgpu.SMEM((NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
             plgpu.SMEM((NGS, NP, PLANE), f16, transforms=_swz(f16, PLANE)),  # q * z_g, summed
-            plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)),  # ones
             plgpu.Barrier(),
         ]
+    if fold or fold_v:
+        scratch.append(plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)))  # ones
+    if fold_v:  # P * s_v and P * z_v per plane and channel group, as [N, 64 tokens]
+        scratch += [plgpu.SMEM((planes * DG, NP, PLANE), f16, transforms=_swz(f16, PLANE))] * 2
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),

@@ -3,7 +3,7 @@
 CPU (CI): the SMEM-staged variant under the Mosaic GPU interpreter with race detection, on
 small random caches (bits 2/4 and K4V2, G 32/64/128, GQA ratios, ragged lengths incl. 0 and
 partial blocks, D 64/128, a nonzero layer) and the opt-in TuningConfig flags (fold_k,
-reload_codes, lean_values); the production variant cross-lowered for sm_90 (flags too);
+reload_codes, lean_values, fold_v); the production variant cross-lowered for sm_90 (flags too);
 the twin against a plain dequantize-then-softmax attention; argument errors.
 GPU (skipped elsewhere): the production variant natively on larger shapes, outputs poisoned
 first, deterministic run to run.
@@ -154,19 +154,21 @@ def test_reference_matches_plain_attention(case):
     compare(ro, rlse, po, plse, 1e-5)
 
 
-# Opt-in TuningConfig flags: small shapes, each flag in the interpreter (fold_k: G = 32 with
-# its two wgmmas per plane, 4-bit with one group per sub-step; reload_codes; D = 64) and
+# Opt-in TuningConfig flags: small shapes, each flag in the interpreter (fold_k and fold_v:
+# G = 32 with two wgmmas per tile, 4-bit with one group per sub-step; reload_codes; D = 64) and
 # cross-lowered for sm_90 (lean_values changes only the wgmma waits of the production
 # variant, which the SMEM-staged interpreter variant does not have: cross-lowering only).
 FLAG_CASES = [
     (2, 8, 1, 128, 256, 2, 2, 32, jnp.float16, (256, 65), 1,
-     TC(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True)),
+     TC(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True, fold_v=True)),
     (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2, fold_k=True)),
+    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TC(256, 1, 2, reload_codes=True, lean_values=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-fold{int(c[-1].fold_k)}-reload"
-            f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}" for c in FLAG_CASES]
+            f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
+            for c in FLAG_CASES]
 
 
 @pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
