@@ -302,7 +302,7 @@ VARIANTS = [  # (name, TuningConfig fields replaced on top of choose_tuning's de
                              block_tokens=512)),
 ]
 # Variants in priority order (the run is time-capped): each group is checked, then timed.
-VARIANT_GROUPS = [["fold_k", "fold_kv"], ["fold_k+lean", "lean"],
+VARIANT_GROUPS = [["fold_k", "lean"], ["fold_k+lean", "fold_kv"],
                   ["fold_kv+lean", "fold_k+lean+512"]]
 VARIANT_CHECKS = [  # (B, Hq, Hkv, D, T, kb, vb, G, dtype): 4-bit G=32 and 2-bit G=128
     (3, 32, 8, 128, 4096, 4, 4, 32, jnp.float16),
