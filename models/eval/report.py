@@ -570,7 +570,8 @@ def _passkey_tables(passkeys: list[dict]) -> list[str]:
                                                    if c['length'] == n}))
             for n in lengths
         )
-        + ". Accuracy per length (mean over depths):",
+        + ". White cells in the plot were not run. Accuracy per length (mean over the depths "
+        "run at that length, so a column without depth 100% is not comparable to one with it):",
         "",
         "![passkey accuracy](accuracy_passkey.png)",
         "",
