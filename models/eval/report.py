@@ -614,7 +614,8 @@ def _observations(stream: list[dict], sim: list[dict]) -> list[str]:
     fs, fsim = _find(stream, "fp16"), _find(sim, "fp16")
     if fs is not None and fsim is not None:
         out.append(
-            f"- Sanity: the dense cache's streaming perplexity {fs:.4f} equals the ordinary "
+            f"- Sanity: the dense cache's streaming perplexity {fs:.4f} "
+            f"{'equals' if abs(fs / fsim - 1) < 1e-4 else 'DIFFERS FROM'} the ordinary "
             f"full-window perplexity of the same scored tokens {fsim:.4f} "
             f"(relative difference {abs(fs / fsim - 1):.1e}; float32 weights)."
         )
