@@ -15,10 +15,13 @@ Dequantization is elementwise in fp16 registers, right before the wgmma that con
 a code field is turned into an fp16 value with one and/or (magic-number trick: the field is
 or-ed into the mantissa of 2^(10 - bits*j), whose unit in the last place is then exactly 1), one
 exact subtraction, and one multiply-add with the group's scale and minimum (fp16x2: three
-instructions per pair of elements). Folding the key scale into q would drop the multiply-add
-but needs q * s per token group in SMEM as a wgmma operand and, for G = 32, two wgmmas per
-64-token tile; it is not implemented (a lead in docs/performance.md). G = 32 tiles hold two
-groups and select the scale per row. `kivi_decode_reference` computes the same function in
+instructions per pair of elements). G = 32 tiles hold two groups and select the scale per
+row. Opt-in TuningConfig flags (off by default; measured on the H200 in docs/performance.md,
+run 6, all slower than this default): `fold_k` folds the key scale into q per token group
+(raw codes into wgmma, q * s_g and q * z_g per group in SMEM, the bias by a ones-tile wgmma;
+G = 32: two wgmmas per plane), `fold_v` the value scale into P, `reload_codes` and
+`lean_values` keep fewer tiles live. With `fold_k` q * sm_scale * s and q * sm_scale * z must
+stay below 65504 (fp16 operands). `kivi_decode_reference` computes the same function in
 float32 in the folded form (scales into q / p, minimums as biases), so kernel and twin are two
 different factorizations of one formula.
 
