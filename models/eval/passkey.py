@@ -129,28 +129,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.n
     return out, np.asarray([len(p) for p in prompts], np.int32)
 
 
-@functools.lru_cache(maxsize=8)
-def _greedy_fn(model_config, max_new_tokens: int, implementation: str):
-    from models.llama import decode_step, prefill
-
-    def run(params, tokens, lengths, cache):
-        logits, cache = prefill(params, model_config, tokens, lengths, cache)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-        def step(carry, _):
-            tok, cache = carry
-            logits, cache = decode_step(
-                params, model_config, tok, cache, implementation=implementation
-            )
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return (nxt, cache), nxt
-
-        _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
-        return jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, max_new_tokens]
-
-    return jax.jit(run)
-
-
 def greedy_generate(
     params,
     model_config,
@@ -170,8 +148,11 @@ def greedy_generate(
         max_len=tokens.shape[1] + max_new_tokens,
         dtype=_model_dtype(params),
     )
-    fn = _greedy_fn(model_config, max_new_tokens, implementation)
-    return np.asarray(fn(params, jnp.asarray(tokens), jnp.asarray(lengths), cache))
+    first, cache = _prefill_fn(model_config)(
+        params, jnp.asarray(tokens), jnp.asarray(lengths), cache
+    )
+    fn = _continue_fn(model_config, max_new_tokens, implementation)
+    return np.asarray(fn(params, first, cache))
 
 
 @functools.lru_cache(maxsize=4)
@@ -199,7 +180,7 @@ def _continue_fn(model_config, max_new_tokens: int, implementation: str):
             return (nxt, cache), nxt
 
         _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
-        return jnp.concatenate([first[:, None], rest.T], axis=1)
+        return jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, max_new_tokens]
 
     return jax.jit(run)
 
