@@ -81,6 +81,11 @@ class TuningConfig:
       the end.
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
+    k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma): a
+      chunk's code bytes, scale and minimum vectors and dequantized tiles are live at a time
+      instead of the whole head dim's (fewer registers, twice the wgmmas).
+    sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
+      update (cross-warp max, P through SMEM) per sub-step.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -96,8 +101,14 @@ class TuningConfig:
     reload_codes: bool = False
     lean_values: bool = False
     fold_v: bool = False
+    k_chunks: int = 1
+    sub_tokens: int = 256
 
     def __post_init__(self):
+        if self.k_chunks not in (1, 2):
+            raise ValueError(f"k_chunks must be 1 or 2, got {self.k_chunks}")
+        if self.sub_tokens not in (256, 512):
+            raise ValueError(f"sub_tokens must be 256 or 512, got {self.sub_tokens}")
         if self.block_tokens <= 0 or self.block_tokens % 128:
             raise ValueError(
                 f"block_tokens must be a positive multiple of 128, got {self.block_tokens}")
@@ -170,16 +181,29 @@ def _swz(dtype, minor_elems):
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-def _field_to_f16(x16, bits: int, j: int):
-    """Code field j of zero-extended bytes `x16` (uint16) as exact fp16 integers.
+_EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
 
-    Or-ing the field (bits [bits*j, bits*(j+1))) into the mantissa of 2^(10 - bits*j) gives
-    2^(10 - bits*j) + code exactly: the field's lowest bit then has weight 1.
+
+def _widen_codes(x8):
+    """Code bytes (uint8) -> uint16 with all five exponent bits set, ready for `_field_to_f16`.
+
+    One or per byte here instead of one per code field there: the field's exponent is then
+    selected by the and-mask alone (measured: ptxas does not fuse and + or with two constants
+    into one LOP3, so this removes an instruction per element pair and plane).
+    """
+    return x8.astype(jnp.uint16) | jnp.uint16(_EXP_BITS)
+
+
+def _field_to_f16(y16, bits: int, j: int):
+    """Code field j of bytes widened by `_widen_codes` as exact fp16 integers.
+
+    Keeping the field (bits [bits*j, bits*(j+1))) and the exponent bits of 2^(10 - bits*j)
+    gives 2^(10 - bits*j) + code exactly: the field's lowest bit then has weight 1.
     """
     mask = ((1 << bits) - 1) << (bits * j)
     off = float(2 ** (10 - bits * j))
-    magic = (25 - bits * j) << 10  # fp16 bit pattern of `off`
-    h = lax.bitcast_convert_type((x16 & jnp.uint16(mask)) | jnp.uint16(magic), jnp.float16)
+    magic = (25 - bits * j) << 10  # fp16 bit pattern of `off` (a subset of _EXP_BITS)
+    h = lax.bitcast_convert_type(y16 & jnp.uint16(mask | magic), jnp.float16)
     return h - jnp.float16(off)
 
 
@@ -208,12 +232,14 @@ def _make_kernel(
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
-    SUB = min(TS, 256)  # tokens per compute sub-step (one fori_loop iteration)
+    SUB = min(TS, tuning.sub_tokens)  # tokens per compute sub-step (one fori_loop iteration)
+    KCH = tuning.k_chunks if D % (PLANE * tuning.k_chunks) == 0 else 1
+    DC = D // KCH  # head-dim chunk of the key product
     planes = SUB // PLANE
     total_steps = Tq // TS
     steps_per_split = -(-total_steps // S)
     mtiles = D // PLANE
-    VCH = SUB  # value-scale chunk: the sub-step
+    VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
     f16 = jnp.float16
     fold = tuning.fold_k
     NGS = SUB // G  # key groups per sub-step
@@ -227,7 +253,7 @@ def _make_kernel(
 
     n_in = 4 if alt_layout else 6
 
-    def body(meta_g, q_g, *refs):
+    def kivi_decode_sm90(meta_g, q_g, *refs):
         if fold:
             qt_g, *refs = refs
         gmem = refs[:n_in]
@@ -282,32 +308,39 @@ def _make_kernel(
         def views(refs, u):
             """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout)."""
             kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
+            vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
+            voff = lambda p: (u * SUB + p * PLANE) % VCH
             if not alt_layout:
                 kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                 return dict(
                     kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
+                    kcodes_c=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                     kscale=lambda g: ks_s.at[kg + g], kmin=lambda g: kz_s.at[kg + g],
                     vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE),
                                              pl.ds(vcol + r * PLANE, PLANE)],
-                    vscale=lambda p: (lambda g: vs_s.at[g, u, pl.ds(p * PLANE, PLANE)]),
-                    vmin=lambda p: (lambda g: vz_s.at[g, u, pl.ds(p * PLANE, PLANE)]))
+                    vscale=lambda p: (lambda g: vs_s.at[g, vchunk(p), pl.ds(voff(p), PLANE)]),
+                    vmin=lambda p: (lambda g: vz_s.at[g, vchunk(p), pl.ds(voff(p), PLANE)]))
             kc_s, ksz_s, vc_s, vsz_s = refs
             vb = u * (SUB // (PLANE * Pv))
             return dict(
                 kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
+                kcodes_c=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                 kscale=lambda g: ksz_s.at[kg + g, 0], kmin=lambda g: ksz_s.at[kg + g, 1],
                 vcodes=lambda r, m: vc_s[vb + r, pl.ds(m * PLANE, PLANE), :],
-                vscale=lambda p: (lambda g: vsz_s.at[g, u, 0, pl.ds(p * PLANE, PLANE)]),
-                vmin=lambda p: (lambda g: vsz_s.at[g, u, 1, pl.ds(p * PLANE, PLANE)]))
+                vscale=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 0, pl.ds(voff(p), PLANE)]),
+                vmin=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 1, pl.ds(voff(p), PLANE)]))
 
-        def k_codes(v, p, cache):
-            """Raw key codes of plane p of the step as exact fp16 integers: (64 tokens, D)."""
+        def k_codes(v, p, cache, c=None):
+            """Raw key codes of plane p of the step as exact fp16 integers: (64 tokens, D), or
+            (64 tokens, DC) for head-dim chunk c."""
             r = p // Pk
+            load = lambda: (v["kcodes"](r) if c is None else
+                            v["kcodes_c"](r, c))
             if reload:
-                x = v["kcodes"](r).astype(jnp.uint16)
+                x = _widen_codes(load())
             else:
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                    cache[r] = v["kcodes"](r).astype(jnp.uint16)
+                    cache[r] = _widen_codes(load())
                 x = cache[r]
             return _field_to_f16(x, key_bits, p % Pk)
 
@@ -316,20 +349,23 @@ def _make_kernel(
             g0 = p * PLANE // G
             return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
 
-        def k_tile(v, p, cache):
-            """Dequantized keys of plane p of the step: (64 tokens, D) fp16."""
-            c = k_codes(v, p, cache)
-            sc, mn = _group_vecs(v["kscale"], v["kmin"], p * PLANE, (PLANE, D), G, cache, "k")
-            return c * sc + mn
+        def k_tile(v, p, cache, c=0):
+            """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC) fp16."""
+            x = k_codes(v, p, cache, c if KCH > 1 else None)
+            cols = pl.ds(c * DC, DC)
+            sat = v["kscale"] if KCH == 1 else (lambda g: v["kscale"](g).at[cols])
+            mat = v["kmin"] if KCH == 1 else (lambda g: v["kmin"](g).at[cols])
+            sc, mn = _group_vecs(sat, mat, p * PLANE, (PLANE, DC), G, cache, "k")
+            return x * sc + mn
 
         def v_codes(v, p, m, cache):
             """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             r = (p // Pv, m)
             if reload:
-                x = v["vcodes"](*r).astype(jnp.uint16)
+                x = _widen_codes(v["vcodes"](*r))
             else:
                 if r not in cache:
-                    cache[r] = v["vcodes"](*r).astype(jnp.uint16)
+                    cache[r] = _widen_codes(v["vcodes"](*r))
                 x = cache[r]
             return _field_to_f16(x, value_bits, p % Pv)
 
@@ -388,26 +424,31 @@ def _make_kernel(
             """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
             if fold:
                 return scores_folded(v)
-            cache = {}
             if stage_smem:
-                def f(acc, tile):
-                    kd_s[...] = tile
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc, kd_s, q_s.T)
-                    plgpu.wgmma_wait(0)
+                def f(acc, p):
+                    for c in range(KCH):
+                        kd_s[...] = k_tile(v, p, {}, c)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc, kd_s, q_s.at[c].T)
+                        plgpu.wgmma_wait(0)
                     return acc[...]
-                return [pl.run_scoped(functools.partial(f, tile=k_tile(v, p, cache)),
+                return [pl.run_scoped(functools.partial(f, p=p),
                                       plgpu.ACC((PLANE, NP), jnp.float32))
                         for p in range(planes)]
 
             def f(*accs):
-                # Dequantize plane p+1 on the CUDA cores while plane p's wgmma runs.
-                for p in range(planes):
-                    plgpu.wgmma(accs[p], k_tile(v, p, cache), q_s.T)
-                    if p and tuning.overlap:
-                        plgpu.wgmma_wait(1)
-                    elif not tuning.overlap:
-                        plgpu.wgmma_wait(0)
+                # Dequantize the next tile on the CUDA cores while the previous wgmma runs;
+                # head-dim chunks outermost so that one chunk's code bytes and vectors are live.
+                first = True
+                for c in range(KCH):
+                    cache = {}
+                    for p in range(planes):
+                        plgpu.wgmma(accs[p], k_tile(v, p, cache, c), q_s.at[c].T)
+                        if not first and tuning.overlap:
+                            plgpu.wgmma_wait(1)
+                        elif not tuning.overlap:
+                            plgpu.wgmma_wait(0)
+                        first = False
                 plgpu.wgmma_wait(0)
                 return [a[...] for a in accs]
             return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
@@ -595,15 +636,15 @@ def _make_kernel(
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((NP, D), f16, transforms=_swz(f16, D)),
+        plgpu.SMEM((KCH, NP, DC), f16, transforms=_swz(f16, DC)),
         (plgpu.SMEM((planes, PLANE, NP), f16, transforms=_swz(f16, NP)) if tuning.p_direct else
          plgpu.SMEM((NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat else
          plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
         plgpu.SMEM((D, NP), jnp.float32),
         plgpu.SMEM((NP,), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
-        plgpu.SMEM((PLANE, D) if stage_smem else (8, 64), f16,
-                   transforms=_swz(f16, D if stage_smem else 64)),
+        plgpu.SMEM((PLANE, DC) if stage_smem else (8, 64), f16,
+                   transforms=_swz(f16, DC if stage_smem else 64)),
         plgpu.SMEM((PLANE, PLANE) if stage_smem else (8, 64), f16, transforms=_swz(f16, 64)),
         plgpu.Barrier(),
     ]
@@ -619,7 +660,7 @@ def _make_kernel(
     if fold_v:  # P * s_v and P * z_v per plane and channel group, as [N, 64 tokens]
         scratch += [plgpu.SMEM((planes * DG, NP, PLANE), f16, transforms=_swz(f16, PLANE))] * 2
     return plgpu.kernel(
-        body,
+        kivi_decode_sm90,
         out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
                   jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
         grid=(B, Hkv, S), grid_names=("b", "h", "s"),
@@ -722,6 +763,9 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
              if tuning.fold_k else ())
     qf = qf.astype(_MMA_DTYPE)
+    # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
+    kch = tuning.k_chunks if D % (PLANE * tuning.k_chunks) == 0 else 1
+    qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:

@@ -165,9 +165,17 @@ FLAG_CASES = [
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TC(256, 1, 2, reload_codes=True, lean_values=True)),
+    # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
+    # update (2-bit G=32: two groups per plane; 4-bit: a fori_loop over 512-token sub-steps).
+    (2, 8, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(512, 1, 2, k_chunks=2, sub_tokens=512)),
+    (2, 4, 2, 128, 1024, 4, 4, 128, jnp.bfloat16, (700, 1), 2,
+     TC(512, 2, 2, k_chunks=2, sub_tokens=512)),
+    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TC(256, 2, 2, k_chunks=2)),
 ]
-FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-fold{int(c[-1].fold_k)}-reload"
+FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
+            f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}"
             for c in FLAG_CASES]
 
 
@@ -195,6 +203,10 @@ def test_tuning_config_validates():
         kd.TuningConfig(stages=0)
     with pytest.raises(ValueError, match="skip"):
         kd.TuningConfig(skip="everything")
+    with pytest.raises(ValueError, match="k_chunks"):
+        kd.TuningConfig(k_chunks=3)
+    with pytest.raises(ValueError, match="sub_tokens"):
+        kd.TuningConfig(sub_tokens=128)
     t = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     assert t.block_tokens == 256 and t.num_splits >= 1
 
@@ -238,6 +250,9 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(512, 3, 2)),
     (2, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(1024, 2, 2)),
     (2, 72, 4, 128, 4096, 2, 2, 64, jnp.float16, None),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(512, 4, 2, k_chunks=2, sub_tokens=512, lean_values=True)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
 ]
 
 

@@ -1,0 +1,118 @@
+"""Where the fused kernel's time goes: ablations timed in one process, and a single-launch
+target for Nsight Compute / SASS dumps.
+
+    PYTHONPATH=. python3 bench/probe_kernel.py --mode ablate      # table of variants
+    PYTHONPATH=. python3 bench/probe_kernel.py --mode one [--kb 2 --G 128]  # one launch
+    ncu --clock-control none -k regex:kivi --launch-count 1 --set full -o prof \
+        python3 bench/probe_kernel.py --mode one
+
+Shapes: B=8, Hq=32, Hkv=8, D=128, T=128k unless given. Timing as bench/decode_attention.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import decode_attention as da  # noqa: E402
+
+from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
+
+TC = kd.TuningConfig
+
+
+def ablations(kb, G, which="where"):
+    d = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    r = lambda **k: dataclasses.replace(d, **k)
+    if which == "regs":  # fewer live registers (k_chunks, lean_values), bigger sub-steps
+        return [
+            ("default", d, False),
+            ("kch2", r(k_chunks=2), False),
+            ("kch2 lean", r(k_chunks=2, lean_values=True), False),
+            ("kch2 lean S6", r(k_chunks=2, lean_values=True, num_splits=6), False),
+            ("kch2 lean S12", r(k_chunks=2, lean_values=True, num_splits=12), False),
+            ("sub512", r(block_tokens=512, sub_tokens=512), False),
+            ("kch2 sub512", r(block_tokens=512, sub_tokens=512, k_chunks=2), False),
+            ("kch2 lean sub512", r(block_tokens=512, sub_tokens=512, k_chunks=2,
+                                   lean_values=True), False),
+            ("kch2 lean alt", r(k_chunks=2, lean_values=True), True),
+        ]
+    return [
+        ("default", d, False),
+        ("stages3", r(stages=3), False),
+        ("pipeline-only", r(skip="compute"), False),
+        ("pipeline-only st4", r(skip="compute", stages=4), False),
+        ("pipeline-only alt", r(skip="compute"), True),
+        ("pipeline-only alt st4", r(skip="compute", stages=4), True),
+        ("pipeline-only alt 512", r(skip="compute", block_tokens=512), True),
+        ("no values", r(skip="values"), False),
+        ("alt", d, True),
+        ("alt st3", r(stages=3), True),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="ablate")
+    ap.add_argument("--kb", type=int, default=2)
+    ap.add_argument("--G", type=int, default=128)
+    ap.add_argument("--T", type=int, default=131072)
+    ap.add_argument("--only", default="", help="comma list of ablation names")
+    ap.add_argument("--set", default="where", help="ablation set: where | regs")
+    ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    B, Hq, Hkv, D, T = 8, 32, 8, 128, a.T
+    if a.mode == "one":
+        tun = kd.choose_tuning(B, Hkv, T, key_bits=a.kb, value_bits=a.kb, group_size=a.G)
+        cache = da.make_cache(jax.random.key(0), 1, B, Hkv, D, T, a.kb, a.kb, a.G)
+        q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
+        nt = jnp.full((B,), T, jnp.int32)
+        kw = dict(key_bits=a.kb, value_bits=a.kb, group_size=a.G, sm_scale=1 / math.sqrt(D))
+        for _ in range(2):
+            jax.block_until_ready(kd.kivi_decode(q, *cache, nt, jnp.int32(0), **kw, tuning=tun))
+        print("one launch done", tun)
+        return
+    rows = []
+    cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
+    rows.append(cud)
+    print(cud, flush=True)
+    only = set(a.only.split(",")) if a.only else None
+    pairs = ([tuple(map(int, x.split(":"))) for x in a.pairs.split(",")] if a.pairs else
+             [(a.kb, a.G)] + ([(2, 32)] if a.kb == 2 and a.G == 128 else []))
+    ptx = da.PtxasLog(os.environ.get("MOSAIC_GPU_DUMP_TO"))
+    for kb, G in pairs:
+        for name, tun, alt in ablations(kb, G, a.set):
+            if only and name not in only:
+                continue
+            t0 = time.time()
+            try:
+                r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10, alt=alt)
+                r.update(name=name, x_cudnn=cud["ms"] / r["ms"], s=round(time.time() - t0, 1),
+                         regs=ptx.new())
+            except Exception as e:
+                r = dict(name=name, kb=kb, G=G, error=repr(e)[:400])
+            rows.append(r)
+            print(r, flush=True)
+    with open(os.path.join(a.out, "probe_rows.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+    print(f"\ncuDNN fp16 {cud['ms']:.3f} ms\n| bits | G | variant | ms | TB/s | x cuDNN | regs |")
+    for r in rows[1:]:
+        if "ms" in r:
+            print(f"| {r['kb']} | {r['G']} | {r['name']} | {r['ms']:.3f} | {r['TBps']:.2f} | "
+                  f"{r['x_cudnn']:.2f} | {r.get('regs')} |")
+        else:
+            print(f"| {r['kb']} | {r['G']} | {r['name']} | ERROR {r['error'][:150]} |")
+
+
+if __name__ == "__main__":
+    main()
