@@ -12,18 +12,20 @@ plane on wgmma's M and the padded query heads of the KV group on N:
 Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue.
 
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
-a code field is turned into an fp16 value with one and/or (magic-number trick: the field is
-or-ed into the mantissa of 2^(10 - bits*j), whose unit in the last place is then exactly 1), one
-exact subtraction, and one multiply-add with the group's scale and minimum (fp16x2: three
-instructions per pair of elements). G = 32 tiles hold two groups and select the scale per
-row. Opt-in TuningConfig flags (off by default; measured on the H200 in docs/performance.md,
-run 6, all slower than this default): `fold_k` folds the key scale into q per token group
-(raw codes into wgmma, q * s_g and q * z_g per group in SMEM, the bias by a ones-tile wgmma;
-G = 32: two wgmmas per plane), `fold_v` the value scale into P, `reload_codes` and
-`lean_values` keep fewer tiles live. With `fold_k` q * sm_scale * s and q * sm_scale * z must
-stay below 65504 (fp16 operands). `kivi_decode_reference` computes the same function in
-float32 in the folded form (scales into q / p, minimums as biases), so kernel and twin are two
-different factorizations of one formula.
+a code field is turned into an fp16 value with the magic-number trick (the code byte, widened
+once with all exponent bits set, is and-ed with the field's mask plus the exponent of 2^(10 -
+bits*j), whose unit in the last place is then exactly 1), one exact subtraction, and one
+multiply-add with the group's scale and minimum (per fp16x2 pair and plane: three instructions
+plus one or per byte pair; SASS, docs/performance.md run 7). G = 32 tiles hold two groups and
+select the scale per row. Opt-in TuningConfig flags (off by default; measured on the H200 in
+docs/performance.md, runs 6 and 7, none faster than this default): `fold_k` folds the key scale
+into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in SMEM, the bias by
+a ones-tile wgmma; G = 32: two wgmmas per plane), `fold_v` the value scale into P,
+`reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
+the head dim, `sub_tokens` sets the tokens per softmax update. With `fold_k` q * sm_scale * s
+and q * sm_scale * z must stay below 65504 (fp16 operands). `kivi_decode_reference` computes the
+same function in float32 in the folded form (scales into q / p, minimums as biases), so kernel
+and twin are two different factorizations of one formula.
 
 Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
 and scaled by sm_scale in float32 before the cast to fp16: bf16 queries work as long as
