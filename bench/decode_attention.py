@@ -90,11 +90,16 @@ def layers_for(bytes_per_layer, lo=2, hi=16):
     return int(min(hi, max(lo, math.ceil(4 * L2_BYTES / bytes_per_layer))))
 
 
-def kivi_fn(L, kw, tuning, alt=False, rounds=None):
+def per_call(t, L, nbytes):
+    """Time, bandwidth and counts of one attention call from the median launch time t (s) of
+    ROUNDS x L calls."""
+    n = ROUNDS * L
+    return dict(ms=1e3 * t / n, TBps=nbytes * n / t / 1e12, bytes=nbytes, L=L, rounds=ROUNDS)
+
+
+def kivi_fn(L, kw, tuning, alt=False):
     """ROUNDS x all L layers in a fori_loop with a traced layer index, as the model's layer
     scan does."""
-    rounds = ROUNDS if rounds is None else rounds
-
     def run(q, nt, *cache):
         def body(i, acc):
             layer = i % L
@@ -104,15 +109,13 @@ def kivi_fn(L, kw, tuning, alt=False, rounds=None):
             else:
                 o, _ = kd.kivi_decode(q, *cache, nt, layer, **kw, tuning=tuning)
             return acc + o
-        return jax.lax.fori_loop(0, rounds * L, body, jnp.zeros(q.shape, jnp.float32))
+        return jax.lax.fori_loop(0, ROUNDS * L, body, jnp.zeros(q.shape, jnp.float32))
     return jax.jit(run)
 
 
-def fp16_fn(L, impl, rounds=None):
-    rounds = ROUNDS if rounds is None else rounds
-
+def fp16_fn(L, impl):
     def run(q0, ks, vs):
-        return jax.lax.fori_loop(0, rounds, functools.partial(one_round, q0, ks, vs),
+        return jax.lax.fori_loop(0, ROUNDS, functools.partial(one_round, q0, ks, vs),
                                  jnp.zeros(q0.shape, jnp.float32))
 
     def one_round(q0, ks, vs, i, acc):
@@ -188,10 +191,8 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
     kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
     t, _ = time_layers(kivi_fn(L, kw, tun, alt), (q, nt, *cache), reps=reps)
     del cache
-    n = ROUNDS * L
     return dict(kind=label + ("-altlayout" if alt else ""), B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
-                vb=vb, G=G, tuning=str(tun), ms=1e3 * t / n, TBps=qb * n / t / 1e12, bytes=qb,
-                L=L, rounds=ROUNDS)
+                vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
 
 
 def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
@@ -205,9 +206,7 @@ def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
     q = jax.random.normal(jax.random.key(4), (B, 1, Hq, D), jnp.float16)
     t, _ = time_layers(fp16_fn(L, impl), (q, ks, vs), reps=reps)
     del ks, vs
-    n = ROUNDS * L
-    return dict(kind=impl, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, ms=1e3 * t / n,
-                TBps=nbytes * n / t / 1e12, bytes=nbytes, L=L, rounds=ROUNDS)
+    return dict(kind=impl, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, **per_call(t, L, nbytes))
 
 
 def bench_reference(B, Hq, Hkv, D, T, kb, vb, G):
@@ -460,11 +459,12 @@ def variants(rows, deadline, ptx):
                 try:
                     tun = variant_tuning(B, Hkv, T, kb, kb, G, fields_of[name])
                     t, ts = time_layers(kivi_fn(L, kw, tun), (q, nt, *cache), reps=10)
-                    n = ROUNDS * L
+                    pc = per_call(t, L, qb)
                     r = dict(kind="variant", variant=name, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
-                             vb=kb, G=G, tuning=str(tun), ms=1e3 * t / n, TBps=qb * n / t / 1e12,
-                             bytes=qb, L=L, spread_ms=[1e3 * min(ts) / n, 1e3 * max(ts) / n],
-                             speedup_vs_cudnn=cud["ms"] / (1e3 * t / n), regs=ptx.new(),
+                             vb=kb, G=G, tuning=str(tun), **pc,
+                             spread_ms=[per_call(min(ts), L, qb)["ms"],
+                                        per_call(max(ts), L, qb)["ms"]],
+                             speedup_vs_cudnn=cud["ms"] / pc["ms"], regs=ptx.new(),
                              s=round(time.time() - t0, 1))
                 except Exception as e:
                     r = dict(kind="variant", variant=name, kb=kb, vb=kb, G=G,

@@ -83,7 +83,8 @@ class TuningConfig:
       the end.
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
-    k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma): a
+    k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma; D = 64
+      and fold_k: always 1): a
       chunk's code bytes, scale and minimum vectors and dequantized tiles are live at a time
       instead of the whole head dim's (fewer registers, twice the wgmmas).
     sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
@@ -122,6 +123,14 @@ class TuningConfig:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
         if self.skip not in ("", "compute", "values"):
             raise ValueError(f"skip must be '', 'compute' or 'values', got {self.skip!r}")
+
+
+def _key_chunks(tuning: TuningConfig, head_dim: int) -> int:
+    """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
+    64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
+    if tuning.fold_k or head_dim % (PLANE * tuning.k_chunks):
+        return 1
+    return tuning.k_chunks
 
 
 def _min_block(key_bits: int, value_bits: int) -> int:
@@ -235,7 +244,7 @@ def _make_kernel(
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
     SUB = min(TS, tuning.sub_tokens)  # tokens per compute sub-step (one fori_loop iteration)
-    KCH = tuning.k_chunks if D % (PLANE * tuning.k_chunks) == 0 else 1
+    KCH = _key_chunks(tuning, D)
     DC = D // KCH  # head-dim chunk of the key product
     planes = SUB // PLANE
     total_steps = Tq // TS
@@ -315,8 +324,7 @@ def _make_kernel(
             if not alt_layout:
                 kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                 return dict(
-                    kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
-                    kcodes_c=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
+                    kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                     kscale=lambda g: ks_s.at[kg + g], kmin=lambda g: kz_s.at[kg + g],
                     vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE),
                                              pl.ds(vcol + r * PLANE, PLANE)],
@@ -325,24 +333,21 @@ def _make_kernel(
             kc_s, ksz_s, vc_s, vsz_s = refs
             vb = u * (SUB // (PLANE * Pv))
             return dict(
-                kcodes=lambda r: kc_s[pl.ds(kr + r * PLANE, PLANE), :],
-                kcodes_c=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
+                kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                 kscale=lambda g: ksz_s.at[kg + g, 0], kmin=lambda g: ksz_s.at[kg + g, 1],
                 vcodes=lambda r, m: vc_s[vb + r, pl.ds(m * PLANE, PLANE), :],
                 vscale=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 0, pl.ds(voff(p), PLANE)]),
                 vmin=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 1, pl.ds(voff(p), PLANE)]))
 
-        def k_codes(v, p, cache, c=None):
-            """Raw key codes of plane p of the step as exact fp16 integers: (64 tokens, D), or
-            (64 tokens, DC) for head-dim chunk c."""
+        def k_codes(v, p, cache, c=0):
+            """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
+            (64 tokens, DC)."""
             r = p // Pk
-            load = lambda: (v["kcodes"](r) if c is None else
-                            v["kcodes_c"](r, c))
             if reload:
-                x = _widen_codes(load())
+                x = _widen_codes(v["kcodes"](r, c))
             else:
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                    cache[r] = _widen_codes(load())
+                    cache[r] = _widen_codes(v["kcodes"](r, c))
                 x = cache[r]
             return _field_to_f16(x, key_bits, p % Pk)
 
@@ -353,11 +358,11 @@ def _make_kernel(
 
         def k_tile(v, p, cache, c=0):
             """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC) fp16."""
-            x = k_codes(v, p, cache, c if KCH > 1 else None)
+            x = k_codes(v, p, cache, c)
             cols = pl.ds(c * DC, DC)
-            sat = v["kscale"] if KCH == 1 else (lambda g: v["kscale"](g).at[cols])
-            mat = v["kmin"] if KCH == 1 else (lambda g: v["kmin"](g).at[cols])
-            sc, mn = _group_vecs(sat, mat, p * PLANE, (PLANE, DC), G, cache, "k")
+            sc, mn = _group_vecs(lambda g: v["kscale"](g).at[cols],
+                                 lambda g: v["kmin"](g).at[cols], p * PLANE, (PLANE, DC), G,
+                                 cache, "k")
             return x * sc + mn
 
         def v_codes(v, p, m, cache):
@@ -766,7 +771,7 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
              if tuning.fold_k else ())
     qf = qf.astype(_MMA_DTYPE)
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
-    kch = tuning.k_chunks if D % (PLANE * tuning.k_chunks) == 0 else 1
+    kch = _key_chunks(tuning, D)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
