@@ -262,7 +262,11 @@ def tune(rows, deadline):
     return best
 
 
-def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32768)):
+GRID_BITS_G = ((2, 128), (2, 32), (4, 128), (4, 32))
+
+
+def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32768),
+         bitsg=GRID_BITS_G, fp16=("cudnn", "xla"), twin=True):
     # Priority order (the run is time-capped): the anchor shape at 128k first.
     points = []
     for Hq, Hkv, D in [(32, 8, 128), (64, 8, 128)]:
@@ -270,14 +274,13 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
             for B in [8, 1, 32]:
                 if B in batches and Hq in hqs and T in ts:
                     points.append((B, Hq, Hkv, D, T))
-    bitsg = [(2, 128), (2, 32), (4, 128), (4, 32)]
     for B, Hq, Hkv, D, T in points:
         if time.time() > deadline:
             log("grid: time cap reached")
             return
         base = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T)
         fp = {}
-        for impl in ("cudnn", "xla"):
+        for impl in fp16:
             try:
                 fp[impl] = bench_fp16(**base, impl=impl, reps=10)
             except Exception as e:
@@ -293,16 +296,18 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
                 if flags is not None:
                     tun = dataclasses.replace(tun, p_concat=flags.p_concat)
                 r = bench_point(**base, kb=kb, vb=kb, G=G, tuning=tun, reps=10)
-                if "ms" in fp["cudnn"]:
+                if "ms" in fp.get("cudnn", {}):
                     r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
             except Exception as e:
                 r = dict(kind="kivi", **base, kb=kb, vb=kb, G=G, error=repr(e)[:300])
             rows.append(r)
             log(r)
+        if not twin:
+            continue
         # The jnp twin (float32 unpack-then-attend over the same packed cache), 2-bit G=128.
         try:
             r = bench_reference(**base, kb=2, vb=2, G=128)
-            if "ms" in fp["cudnn"]:
+            if "ms" in fp.get("cudnn", {}):
                 r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
         except Exception as e:
             r = dict(kind="jnp-ref", **base, error=repr(e)[:300])
@@ -533,6 +538,10 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--hq", default="32,64", help="query heads of the grid shapes (Hkv=8, D=128)")
     ap.add_argument("--ts", default="131072,8192,32768", help="cache lengths of the grid")
+    ap.add_argument("--bits_g", default="2:128,2:32,4:128,4:32",
+                    help="kernel configs of the grid, bits:G (keys and values alike)")
+    ap.add_argument("--fp16", default="cudnn,xla", help="fp16 baselines of the grid")
+    ap.add_argument("--no_twin", action="store_true", help="grid without the jnp twin")
     ap.add_argument("--budget_s", type=float, default=500)
     ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
     ap.add_argument("--ptxas", action="store_true",
@@ -563,7 +572,9 @@ def main():
             log(f"grid flags from the tune: {flags}")
         if "grid" in modes:
             grid(rows, deadline, [int(b) for b in a.batches.split(",")], flags,
-                 [int(h) for h in a.hq.split(",")], [int(t) for t in a.ts.split(",")])
+                 [int(h) for h in a.hq.split(",")], [int(t) for t in a.ts.split(",")],
+                 [tuple(map(int, x.split(":"))) for x in a.bits_g.split(",")],
+                 [x for x in a.fp16.split(",") if x], not a.no_twin)
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -33,6 +33,10 @@ TC = kd.TuningConfig
 def ablations(kb, G, which="where"):
     d = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
     r = lambda **k: dataclasses.replace(d, **k)
+    if which == "g32":  # G = 32: per-warp group vectors (default) against per-element selects
+        return [("default", d, False), ("selects", r(warp_groups=False), False),
+                ("selects S12", r(warp_groups=False, num_splits=12), False),
+                ("default S12", r(num_splits=12), False)]
     if which == "regs":  # fewer live registers (k_chunks, lean_values), bigger sub-steps
         return [
             ("default", d, False),
@@ -67,7 +71,7 @@ def main():
     ap.add_argument("--G", type=int, default=128)
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
-    ap.add_argument("--set", default="where", help="ablation set: where | regs")
+    ap.add_argument("--set", default="where", help="ablation set: where | regs | g32")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

@@ -16,8 +16,9 @@ a code field is turned into an fp16 value with the magic-number trick (the code 
 once with all exponent bits set, is and-ed with the field's mask plus the exponent of 2^(10 -
 bits*j), whose unit in the last place is then exactly 1), one exact subtraction, and one
 multiply-add with the group's scale and minimum (per fp16x2 pair and plane: three instructions
-plus one or per byte pair; SASS, docs/performance.md run 7). G = 32 tiles hold two groups and
-select the scale per row. Opt-in TuningConfig flags (off by default; measured on the H200 in
+plus one or per byte pair; SASS, docs/performance.md run 7). G = 32 tiles hold two groups: each warp
+loads the vectors of the group its rows belong to (inline Mosaic GPU; the interpreter selects
+per element instead). Opt-in TuningConfig flags (off by default; measured on the H200 in
 docs/performance.md, runs 6 and 7, none faster than this default): `fold_k` folds the key scale
 into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in SMEM, the bias by
 a ones-tile wgmma; G = 32: two wgmmas per plane), `fold_v` the value scale into P,
@@ -40,7 +41,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 PLANE = 64  # tokens per packed plane = wgmma M tile (docs/layout.md)
@@ -89,6 +94,9 @@ class TuningConfig:
       instead of the whole head dim's (fewer registers, twice the wgmmas).
     sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
       update (cross-warp max, P through SMEM) per sub-step.
+    warp_groups: G = 32 (two groups per 64-row tile): each warp loads the scale and minimum
+      vectors of its own group (`_warp_group_vec`) instead of both groups' vectors and a
+      select per element. On by default; the interpreter always takes the selects.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -106,6 +114,7 @@ class TuningConfig:
     fold_v: bool = False
     k_chunks: int = 1
     sub_tokens: int = 256
+    warp_groups: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -218,10 +227,40 @@ def _field_to_f16(y16, bits: int, j: int):
     return h - jnp.float16(off)
 
 
-def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key):
+def _warp_group_vec(rows_ref, G: int):
+    """The (X,) vector of the group that each warp's 16 rows of a 64-row WGMMA tile belong to.
+
+    rows_ref: SMEM ref (64 // G, X) holding the vectors of the tile's groups. In the WGMMA
+    layout warp w of the warpgroup holds rows [16 w, 16 w + 16), so for G = 32 a thread's rows
+    lie in group (16 w) // G: each warp loads that row directly (one load per register of the
+    vector) instead of loading both and selecting per element of the tile. The result is
+    correct only under a row-broadcast to a (64, X) WGMMA tile and elementwise use (Pallas
+    sees a (X,) vector; the warps hold different rows): `_group_vecs` is its only user.
+    Not interpretable (inline Mosaic GPU): the interpreter path uses the selects.
+    """
+    X = rows_ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((X,), rows_ref.dtype,
+                                                          layout=_WG.reduce(0)))
+    def load_rows(_, ref):
+        i32 = ir.IntegerType.get_signless(32)
+        warp = arith.andi(mgpu_utils.warp_idx(sync=True), mgpu_utils.c(3, i32))
+        g = arith.divui(arith.muli(warp, mgpu_utils.c(16, i32)), mgpu_utils.c(G, i32))
+        row = mgpu_utils.memref_slice(ref, arith.index_cast(ir.IndexType.get(), g))
+        return mgpu_fa.FragmentedArray.load_untiled(row, layout=mgpu_fa.WGMMA_COL_LAYOUT,
+                                                    optimized=False)
+
+    return load_rows(rows_ref)
+
+
+def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
+                per_warp: bool = False):
     """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
-    broadcast along rows (WGMMA layout). For G = 32 the tile holds two groups: the upper half
-    of the rows takes the second (one select per element, the price of G < 64)."""
+    broadcast along rows (WGMMA layout). `scale_at(g)` / `min_at(g)` give the vector of group
+    g, `scale_at(g, n)` the (n, X) rows of groups g .. g+n-1. For G = 32 the tile holds two
+    groups: per_warp loads each warp's own group (`_warp_group_vec`), otherwise the upper half
+    of the rows takes the second by a select per element (the price of G < 64 in Pallas)."""
 
     def vec(at, g):
         k = (key, at is min_at, g)
@@ -232,6 +271,13 @@ def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key):
     g = row0 // G
     if G >= PLANE:
         return vec(scale_at, g), vec(min_at, g)
+    if per_warp:
+        def wvec(at):
+            k = (key, at is min_at, g, "warp")
+            if k not in cache:
+                cache[k] = _warp_group_vec(at(g, PLANE // G), G)
+            return lax.broadcast_in_dim(cache[k], shape, [1])
+        return wvec(scale_at), wvec(min_at)
     lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
     return (jnp.where(lo, vec(scale_at, g), vec(scale_at, g + 1)),
             jnp.where(lo, vec(min_at, g), vec(min_at, g + 1)))
@@ -258,6 +304,7 @@ def _make_kernel(
     fold_v = tuning.fold_v
     DG = D // G  # value channel groups
     VG = max(1, PLANE // G)  # value channel groups per 64-channel tile (2 for G = 32)
+    per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     NACC = mtiles * VG if fold_v else mtiles
     extra_names = ((["qt_s", "bq_s", "qz_s", "bar2"] if fold else [])
                    + (["ones_s"] if fold or fold_v else []) + (["pv_s", "pz_s"] if fold_v else []))
@@ -317,7 +364,9 @@ def _make_kernel(
             plgpu.commit_smem()
 
         def views(refs, u):
-            """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout)."""
+            """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout). Scale
+            and minimum accessors take a group g (one vector) or (g, n): the rows of n groups."""
+            grows = lambda g, n: g if n == 0 else pl.ds(g, n)
             kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
             vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
             voff = lambda p: (u * SUB + p * PLANE) % VCH
@@ -325,19 +374,25 @@ def _make_kernel(
                 kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                 return dict(
                     kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
-                    kscale=lambda g: ks_s.at[kg + g], kmin=lambda g: kz_s.at[kg + g],
+                    kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
+                    kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
                     vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE),
                                              pl.ds(vcol + r * PLANE, PLANE)],
-                    vscale=lambda p: (lambda g: vs_s.at[g, vchunk(p), pl.ds(voff(p), PLANE)]),
-                    vmin=lambda p: (lambda g: vz_s.at[g, vchunk(p), pl.ds(voff(p), PLANE)]))
+                    vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
+                                                             pl.ds(voff(p), PLANE)]),
+                    vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
+                                                           pl.ds(voff(p), PLANE)]))
             kc_s, ksz_s, vc_s, vsz_s = refs
             vb = u * (SUB // (PLANE * Pv))
             return dict(
                 kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
-                kscale=lambda g: ksz_s.at[kg + g, 0], kmin=lambda g: ksz_s.at[kg + g, 1],
+                kscale=lambda g, n=0: ksz_s.at[grows(kg + g, n), 0],
+                kmin=lambda g, n=0: ksz_s.at[grows(kg + g, n), 1],
                 vcodes=lambda r, m: vc_s[vb + r, pl.ds(m * PLANE, PLANE), :],
-                vscale=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 0, pl.ds(voff(p), PLANE)]),
-                vmin=lambda p: (lambda g: vsz_s.at[g, vchunk(p), 1, pl.ds(voff(p), PLANE)]))
+                vscale=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 0,
+                                                          pl.ds(voff(p), PLANE)]),
+                vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
+                                                        pl.ds(voff(p), PLANE)]))
 
         def k_codes(v, p, cache, c=0):
             """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
@@ -360,9 +415,9 @@ def _make_kernel(
             """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC) fp16."""
             x = k_codes(v, p, cache, c)
             cols = pl.ds(c * DC, DC)
-            sc, mn = _group_vecs(lambda g: v["kscale"](g).at[cols],
-                                 lambda g: v["kmin"](g).at[cols], p * PLANE, (PLANE, DC), G,
-                                 cache, "k")
+            at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
+            sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
+                                 cache, "k", per_warp)
             return x * sc + mn
 
         def v_codes(v, p, m, cache):
@@ -385,7 +440,7 @@ def _make_kernel(
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             c = v_codes(v, p, m, cache)
             sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
-                                 cache, ("v", p))
+                                 cache, ("v", p), per_warp)
             return c * sc + mn
 
         def scores_folded(v):

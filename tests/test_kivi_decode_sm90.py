@@ -253,6 +253,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
      TC(512, 4, 2, k_chunks=2, sub_tokens=512, lean_values=True)),
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
+    # G = 32 with per-element selects instead of the per-warp group vectors of the default.
+    (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(256, 4, 2, warp_groups=False)),
 ]
 
 
