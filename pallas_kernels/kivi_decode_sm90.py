@@ -40,9 +40,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -95,8 +96,12 @@ class TuningConfig:
     sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
       update (cross-warp max, P through SMEM) per sub-step.
     warp_groups: G = 32 (two groups per 64-row tile): each warp loads the scale and minimum
-      vectors of its own group (`_warp_group_vec`) instead of both groups' vectors and a
+      vectors of its own group (`_vec_load`) instead of both groups' vectors and a
       select per element. On by default; the interpreter always takes the selects.
+    widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
+      pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
+      matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
+      SMEM. Native only (not with fold_k, fold_v, p_direct, p_concat, k_chunks=2).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -115,6 +120,7 @@ class TuningConfig:
     k_chunks: int = 1
     sub_tokens: int = 256
     warp_groups: bool = True
+    widen8: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -132,6 +138,15 @@ class TuningConfig:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
         if self.skip not in ("", "compute", "values"):
             raise ValueError(f"skip must be '', 'compute' or 'values', got {self.skip!r}")
+
+
+def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> bool:
+    """Whether the kernel takes the widen8 path (`_widen8`): native only, not with the folded
+    or alternative P layouts (their operands are in the natural order) nor with key chunks (a
+    chunk would split the swizzled code rows)."""
+    natural_order = tuning.fold_k or tuning.fold_v or tuning.p_direct or tuning.p_concat
+    return bool(tuning.widen8 and not interpret and not alt_layout and tuning.k_chunks == 1
+                and not natural_order)
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int) -> int:
@@ -227,45 +242,150 @@ def _field_to_f16(y16, bits: int, j: int):
     return h - jnp.float16(off)
 
 
-def _warp_group_vec(rows_ref, G: int):
-    """The (X,) vector of the group that each warp's 16 rows of a 64-row WGMMA tile belong to.
+# Permuted contraction order of the widen8 path: within each 16-wide block, position p of the
+# fp16 operand holds element _PERM16[p]. It is the order in which the 8-bit WGMMA fragment (four
+# consecutive bytes per register) lands in the 16-bit fragment (two consecutive elements per
+# register, at columns 2k and 8 + 2k) when each byte register is split by two byte permutes.
+_PERM16 = tuple(4 * (p % 8 // 2) + 2 * (p // 8) + p % 2 for p in range(16))
 
-    rows_ref: SMEM ref (64 // G, X) holding the vectors of the tile's groups. In the WGMMA
-    layout warp w of the warpgroup holds rows [16 w, 16 w + 16), so for G = 32 a thread's rows
-    lie in group (16 w) // G: each warp loads that row directly (one load per register of the
-    vector) instead of loading both and selecting per element of the tile. The result is
-    correct only under a row-broadcast to a (64, X) WGMMA tile and elementwise use (Pallas
-    sees a (X,) vector; the warps hold different rows): `_group_vecs` is its only user.
-    Not interpretable (inline Mosaic GPU): the interpreter path uses the selects.
+
+def permute_contraction(x, axis=-1):
+    """x with its `axis` (a multiple of 16) reordered into the widen8 contraction order."""
+    n = x.shape[axis]
+    idx = np.array([16 * (i // 16) + _PERM16[i % 16] for i in range(n)])
+    return jnp.take(x, idx, axis=axis)
+
+
+def _i32(v):
+    return mgpu_utils.c(v, ir.IntegerType.get_signless(32))
+
+
+def _lane_warp():
+    """(lane, warp within the warpgroup) as i32 values."""
+    tid = mgpu_utils.thread_idx()
+    return arith.andi(tid, _i32(31)), arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
+
+
+def _widen8(codes_ref, transforms):
+    """(64, X) uint8 code tile in SMEM -> (64, X) uint16 in the WGMMA layout, every byte widened
+    with the exponent bits set (as `_widen_codes`), columns in the `_PERM16` order.
+
+    The bytes are loaded in the 8-bit WGMMA layout (four consecutive bytes of a row per
+    register); one `prmt` per output register interleaves two of them with the exponent byte.
+    Mosaic's own u8 -> u16 relayout into the natural order costs about three byte permutes and
+    an or per output register (SASS, docs/performance.md run 8). `transforms`: the tile's SMEM
+    tiling and swizzle (unswizzled 64- or 128-byte rows put the eight rows of an 8x16-byte
+    fragment into the same banks: measured 6x the ideal shared-memory wavefronts). Not
+    interpretable.
+    """
+    swizzle = transforms[1].swizzle
+    X = codes_ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), jnp.uint16, layout=_WG))
+    def widen(_, ref):
+        x = mgpu_fa.FragmentedArray.load_tiled(ref, swizzle, layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
+                                               is_signed=False, optimized=False)
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
+        regs = x.registers
+        out = np.empty((1, X // 8, *regs.shape[2:]), dtype=object)
+        for idx in np.ndindex(regs.shape):
+            w = mgpu_utils.bitcast(regs[idx], i32)
+            for half, sel in ((0, 0x4140), (1, 0x4342)):  # bytes (0, 1) / (2, 3) of w
+                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(0x7C7C7C7C),
+                                          _i32(sel), result_types=i32)
+                out[(idx[0], 2 * idx[1] + half, *idx[2:])] = mgpu_utils.bitcast(r, pair_ty)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=mgpu_fa.WGMMA_LAYOUT,
+                                       _is_signed=False)
+
+    return widen(codes_ref)
+
+
+def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
+    """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
+
+    rows_ref: (X,) or, with G, the (64 // G, X) vectors of the tile's groups: warp w then loads
+    the row of the group its 16 tile rows lie in ((16 w) // G), so the warps hold different
+    vectors (valid only under a row broadcast and elementwise use: `_group_vecs`). perm: in the
+    `_PERM16` order of the widen8 path. Not interpretable (inline Mosaic GPU).
     """
     X = rows_ref.shape[-1]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=plgpu.ShapeDtypeStruct((X,), rows_ref.dtype,
                                                           layout=_WG.reduce(0)))
-    def load_rows(_, ref):
-        i32 = ir.IntegerType.get_signless(32)
-        warp = arith.andi(mgpu_utils.warp_idx(sync=True), mgpu_utils.c(3, i32))
-        g = arith.divui(arith.muli(warp, mgpu_utils.c(16, i32)), mgpu_utils.c(G, i32))
-        row = mgpu_utils.memref_slice(ref, arith.index_cast(ir.IndexType.get(), g))
-        return mgpu_fa.FragmentedArray.load_untiled(row, layout=mgpu_fa.WGMMA_COL_LAYOUT,
-                                                    optimized=False)
+    def load(_, ref):
+        lane, warp = _lane_warp()
+        if G:
+            g = arith.divui(arith.muli(warp, _i32(16)), _i32(G))
+            ref = mgpu_utils.memref_slice(ref, arith.index_cast(ir.IndexType.get(), g))
+        if not perm:
+            return mgpu_fa.FragmentedArray.load_untiled(ref, layout=mgpu_fa.WGMMA_COL_LAYOUT,
+                                                        optimized=False)
+        k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
+        regs = []
+        for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
+            col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
+            regs.append(vector.load(pair_ty, ref, [arith.index_cast(ir.IndexType.get(), col)]))
+        return mgpu_fa.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(
+                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
+            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
 
-    return load_rows(rows_ref)
+    return load(rows_ref)
+
+
+def _store_p_perm(p16, dst):
+    """Stores P (64 tokens, N) fp16 (WGMMA layout) as the wgmma B operand dst [N, 64] (tiling
+    (8, 64), 128-byte swizzle) with the tokens in the `_PERM16` order: each thread writes its
+    elements where the widen8 value tiles expect them (one 16-bit store each)."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.float16, PLANE))))
+    def store(_, x, ref):
+        lane, warp = _lane_warp()
+        i8 = ir.IntegerType.get_signless(8)
+        base = mgpu_utils.memref_ptr(ref)
+        k2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        for idx in np.ndindex(x.registers.shape):
+            i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
+            t = arith.addi(arith.addi(arith.muli(warp, _i32(16)), _i32(8 * h)),
+                           arith.shrui(lane, _i32(2)))  # token within the plane
+            # pos = 16 (t // 16) + _PERM16.index(t % 16) = .. + 8 (q % 4 // 2) + 2 (q // 4) + q % 2
+            q = arith.andi(t, _i32(15))
+            pos = arith.addi(arith.andi(t, _i32(48)), arith.addi(
+                arith.muli(arith.andi(arith.shrui(q, _i32(1)), _i32(1)), _i32(8)),
+                arith.addi(arith.muli(arith.shrui(q, _i32(2)), _i32(2)), arith.andi(q, _i32(1)))))
+            chunk = arith.shrui(pos, _i32(3))  # 16-byte chunk of the 128-byte row
+            within = arith.muli(arith.andi(pos, _i32(7)), _i32(2))
+            reg = x.registers[idx]
+            for e in range(2):
+                n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
+                nr = arith.andi(n, _i32(7))
+                off = arith.addi(
+                    arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
+                               arith.muli(nr, _i32(128))),
+                    arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
+                ptr = mgpu_utils.getelementptr(base, [off], i8)
+                llvm.store(vector.extract(reg, dynamic_position=[], static_position=[e]), ptr)
+
+    store(p16, dst)
 
 
 def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
-                per_warp: bool = False):
+                per_warp: bool = False, perm: bool = False):
     """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
     broadcast along rows (WGMMA layout). `scale_at(g)` / `min_at(g)` give the vector of group
     g, `scale_at(g, n)` the (n, X) rows of groups g .. g+n-1. For G = 32 the tile holds two
-    groups: per_warp loads each warp's own group (`_warp_group_vec`), otherwise the upper half
-    of the rows takes the second by a select per element (the price of G < 64 in Pallas)."""
+    groups: per_warp loads each warp's own group (`_vec_load`), otherwise the upper half of the
+    rows takes the second by a select per element. perm: vectors in the widen8 column order."""
 
     def vec(at, g):
         k = (key, at is min_at, g)
         if k not in cache:  # planes of one group share the SMEM loads of its vectors
-            cache[k] = plgpu.load(at(g), (), layout=_WG.reduce(0))
+            cache[k] = (_vec_load(at(g), perm=True) if perm else
+                        plgpu.load(at(g), (), layout=_WG.reduce(0)))
         return lax.broadcast_in_dim(cache[k], shape, [1])
 
     g = row0 // G
@@ -275,7 +395,7 @@ def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
         def wvec(at):
             k = (key, at is min_at, g, "warp")
             if k not in cache:
-                cache[k] = _warp_group_vec(at(g, PLANE // G), G)
+                cache[k] = _vec_load(at(g, PLANE // G), G=G, perm=perm)
             return lax.broadcast_in_dim(cache[k], shape, [1])
         return wvec(scale_at), wvec(min_at)
     lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
@@ -305,6 +425,14 @@ def _make_kernel(
     DG = D // G  # value channel groups
     VG = max(1, PLANE // G)  # value channel groups per 64-channel tile (2 for G = 32)
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
+    w8 = _uses_widen8(tuning, interpret, alt_layout)
+    # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
+    swizzle_codes = tuning.swizzle_codes or w8
+    if w8:
+        widen_k = functools.partial(_widen8, transforms=_swz(jnp.uint8, D))
+        widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
+    else:
+        widen_k = widen_v = lambda ref: _widen_codes(ref[...])
     NACC = mtiles * VG if fold_v else mtiles
     extra_names = ((["qt_s", "bq_s", "qz_s", "bar2"] if fold else [])
                    + (["ones_s"] if fold or fold_v else []) + (["pv_s", "pz_s"] if fold_v else []))
@@ -373,11 +501,11 @@ def _make_kernel(
             if not alt_layout:
                 kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                 return dict(
-                    kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
+                    kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                     kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
                     kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
-                    vcodes=lambda r, m: vc_s[pl.ds(m * PLANE, PLANE),
-                                             pl.ds(vcol + r * PLANE, PLANE)],
+                    vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
+                                                pl.ds(vcol + r * PLANE, PLANE)],
                     vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
                                                              pl.ds(voff(p), PLANE)]),
                     vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
@@ -385,10 +513,10 @@ def _make_kernel(
             kc_s, ksz_s, vc_s, vsz_s = refs
             vb = u * (SUB // (PLANE * Pv))
             return dict(
-                kcodes=lambda r, c: kc_s[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
+                kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
                 kscale=lambda g, n=0: ksz_s.at[grows(kg + g, n), 0],
                 kmin=lambda g, n=0: ksz_s.at[grows(kg + g, n), 1],
-                vcodes=lambda r, m: vc_s[vb + r, pl.ds(m * PLANE, PLANE), :],
+                vcodes=lambda r, m: vc_s.at[vb + r, pl.ds(m * PLANE, PLANE), :],
                 vscale=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 0,
                                                           pl.ds(voff(p), PLANE)]),
                 vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
@@ -399,10 +527,10 @@ def _make_kernel(
             (64 tokens, DC)."""
             r = p // Pk
             if reload:
-                x = _widen_codes(v["kcodes"](r, c))
+                x = widen_k(v["kcodes"](r, c))
             else:
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                    cache[r] = _widen_codes(v["kcodes"](r, c))
+                    cache[r] = widen_k(v["kcodes"](r, c))
                 x = cache[r]
             return _field_to_f16(x, key_bits, p % Pk)
 
@@ -417,17 +545,17 @@ def _make_kernel(
             cols = pl.ds(c * DC, DC)
             at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
             sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
-                                 cache, "k", per_warp)
+                                 cache, "k", per_warp, w8)
             return x * sc + mn
 
         def v_codes(v, p, m, cache):
             """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             r = (p // Pv, m)
             if reload:
-                x = _widen_codes(v["vcodes"](*r))
+                x = widen_v(v["vcodes"](*r))
             else:
                 if r not in cache:
-                    cache[r] = _widen_codes(v["vcodes"](*r))
+                    cache[r] = widen_v(v["vcodes"](*r))
                 x = cache[r]
             return _field_to_f16(x, value_bits, p % Pv)
 
@@ -440,7 +568,7 @@ def _make_kernel(
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             c = v_codes(v, p, m, cache)
             sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
-                                 cache, ("v", p), per_warp)
+                                 cache, ("v", p), per_warp, w8)
             return c * sc + mn
 
         def scores_folded(v):
@@ -561,6 +689,10 @@ def _make_kernel(
             elif tuning.p_concat:
                 p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
                 pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
+            elif w8:  # tokens in the _PERM16 order of the widen8 value tiles
+                for p in range(planes):
+                    _store_p_perm(ps[p].astype(f16), p_s.at[p])
+                pb = lambda p: p_s.at[p].T
             else:
                 for p in range(planes):
                     p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
@@ -658,8 +790,9 @@ def _make_kernel(
                    for _ in range(NACC))
         kc_rows, g_rows = TS // Pk, TS // G
         v_cols = TS // Pv
-        ktf = _swz(jnp.uint8, D) if tuning.swizzle_codes else ()
-        vtf = _swz(jnp.uint8, v_cols) if tuning.swizzle_codes else ()
+        ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
+        # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
+        vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
         # Block indices are offset by this split's first step (a traced value).
         if not alt_layout:
             specs = [
@@ -825,6 +958,8 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
              if tuning.fold_k else ())
     qf = qf.astype(_MMA_DTYPE)
+    if _uses_widen8(tuning, interpret, alt_layout):  # key tile channels in the _PERM16 order
+        qf = permute_contraction(qf)
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
     kch = _key_chunks(tuning, D)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
