@@ -4,7 +4,7 @@
 # 32/8/128. Writes $OUT/ncu_<bits>_<G>_{details.txt,sass.csv}.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_command_buffer=
-for pair in ${PAIRS:-2:128 2:32}; do
+for pair in ${PAIRS:-2:128 2:32}; do  # mix per opcode: python3 bench/sass_mix.py $OUT/ncu_<b>_<G>_sass.csv
   kb=${pair%%:*} G=${pair##*:}
   timeout 200 ncu --clock-control none -k regex:kivi --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \

@@ -12,16 +12,22 @@ plane on wgmma's M and the padded query heads of the KV group on N:
 Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue.
 
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
-a code field is turned into an fp16 value with the magic-number trick (the code byte, widened
-once with all exponent bits set, is and-ed with the field's mask plus the exponent of 2^(10 -
-bits*j), whose unit in the last place is then exactly 1), one exact subtraction, and one
-multiply-add with the group's scale and minimum (per fp16x2 pair and plane: three instructions
-plus one or per byte pair; SASS, docs/performance.md run 7). G = 32 tiles hold two groups: each warp
-loads the vectors of the group its rows belong to (inline Mosaic GPU; the interpreter selects
-per element instead). Opt-in TuningConfig flags (off by default; measured on the H200 in
-docs/performance.md, runs 6 and 7, none faster than this default): `fold_k` folds the key scale
-into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in SMEM, the bias by
-a ones-tile wgmma; G = 32: two wgmmas per plane), `fold_v` the value scale into P,
+the code bytes of a (64, X) tile are loaded from SMEM (swizzled by the TMA) in the 8-bit WGMMA
+fragment layout and widened by one `prmt` per fp16 pair that also sets the five exponent bits
+(`_widen8`); a code field is then an fp16 value by the magic-number trick (and-ing the field's
+mask plus the exponent of 2^(10 - bits*j), whose unit in the last place is then exactly 1),
+one exact subtraction, and one multiply-add with the group's scale and minimum: three
+instructions per fp16 pair and plane (SASS, docs/performance.md runs 8-9). The 8-bit fragment
+delivers the columns of every 16-block in the `_PERM16` order, so both contraction axes are
+permuted consistently: q's channels outside the kernel, P's tokens by the store that makes it
+the B operand, scale vectors by their loads. G = 32 tiles hold two groups: each warp loads the
+vectors of the group its rows belong to (`_vec_load`). Both are inline Mosaic GPU and do not
+interpret: under the interpreter the kernel widens with jnp (natural order) and selects the
+group per element, the same function. Opt-in TuningConfig flags (off by default; measured on
+the H200 in docs/performance.md, runs 6 to 9, none faster than this default): `fold_k` folds
+the key scale into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in
+SMEM, the bias by a ones-tile wgmma; G = 32: two wgmmas per plane), `fold_v` the value scale
+into P,
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update. With `fold_k` q * sm_scale * s
 and q * sm_scale * z must stay below 65504 (fp16 operands). `kivi_decode_reference` computes the

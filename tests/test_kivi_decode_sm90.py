@@ -3,7 +3,9 @@
 CPU (CI): the SMEM-staged variant under the Mosaic GPU interpreter with race detection, on
 small random caches (bits 2/4 and K4V2, G 32/64/128, GQA ratios, ragged lengths incl. 0 and
 partial blocks, D 64/128, a nonzero layer) and the opt-in TuningConfig flags (fold_k,
-reload_codes, lean_values, fold_v); the production variant cross-lowered for sm_90 (flags too);
+reload_codes, lean_values, fold_v); the production variant cross-lowered for sm_90 (flags too;
+its native-only paths, per-warp group vectors and widen8, are not interpretable and are checked
+by cross-lowering here and natively on the GPU);
 the twin against a plain dequantize-then-softmax attention; argument errors.
 GPU (skipped elsewhere): the production variant natively on larger shapes, outputs poisoned
 first, deterministic run to run.
@@ -187,6 +189,37 @@ def test_interpret_tuning_flags_match_reference(case):
 @pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
 def test_tuning_flags_cross_lower_for_sm90(case):
     test_production_variant_cross_lowers_for_sm90(case)
+
+
+def test_widen8_contraction_order():
+    """_PERM16 is where the 8-bit WGMMA fragment (lane k = lane % 4 holds bytes 4k..4k+3 of each
+    16-column block) lands in the 16-bit fragment (columns 2k, 2k+1 of 8-column tile 2b and
+    of tile 2b+1) when bytes (0, 1) and (2, 3) of each register become one fp16 pair each;
+    _store_p_perm writes token q of a 16-block at position 8 (q // 2 % 2) + 2 (q // 4) + q % 2;
+    permute_contraction applies the order blockwise."""
+    perm = kd._PERM16
+    assert sorted(perm) == list(range(16))
+    for k in range(4):
+        for e in range(2):
+            assert perm[2 * k + e] == 4 * k + e
+            assert perm[8 + 2 * k + e] == 4 * k + 2 + e
+    for q in range(16):
+        assert 8 * (q // 2 % 2) + 2 * (q // 4) + q % 2 == perm.index(q)
+    x = jnp.arange(48)
+    np.testing.assert_array_equal(kd.permute_contraction(x),
+                                  np.concatenate([np.asarray(perm) + 16 * b for b in range(3)]))
+
+
+def test_native_only_paths_are_gated():
+    """widen8 (and the per-warp vectors) are inline Mosaic GPU: never under the interpreter, and
+    widen8 not where the operands stay in the natural order or the key rows are chunked."""
+    d = TC()
+    assert kd._uses_widen8(d, False)
+    assert not kd._uses_widen8(d, plgpu.InterpretGPUParams())
+    assert not kd._uses_widen8(d, False, alt_layout=True)
+    for flags in (dict(fold_k=True), dict(fold_v=True), dict(p_direct=True),
+                  dict(p_concat=True), dict(k_chunks=2), dict(widen8=False)):
+        assert not kd._uses_widen8(TC(**flags), False), flags
 
 
 def test_interpret_true_means_gpu_interpreter():
