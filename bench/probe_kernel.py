@@ -33,6 +33,11 @@ TC = kd.TuningConfig
 def ablations(kb, G, which="where"):
     d = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
     r = lambda **k: dataclasses.replace(d, **k)
+    if which == "steps":  # launch parameters again, now that the loop is shorter (run 11)
+        return [("default", d, False), ("stages3", r(stages=3), False),
+                ("512-token copies", r(block_tokens=512), False),
+                ("512 stages3", r(block_tokens=512, stages=3), False),
+                ("S12", r(num_splits=12), False), ("S6", r(num_splits=6), False)]
     if which == "w8":  # widen8 byte permutes (default) against Mosaic's own u8 -> u16 relayout
         return [("default", d, False), ("no widen8", r(widen8=False), False)]
     if which == "g32":  # G = 32: per-warp group vectors (default) against per-element selects
@@ -73,7 +78,7 @@ def main():
     ap.add_argument("--G", type=int, default=128)
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
-    ap.add_argument("--set", default="where", help="ablation set: where | regs | g32 | w8")
+    ap.add_argument("--set", default="where", help="ablation set: where | regs | g32 | w8 | steps")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
