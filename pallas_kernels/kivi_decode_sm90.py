@@ -194,7 +194,9 @@ def choose_tuning(
     the H200, B=8, Hkv=8, T=128k, 2-bit G=128 (docs/performance.md, run-to-run spread ~10%):
     S=4/6/8/12/16 gave 0.73/0.72/0.66-0.68/0.68/0.70 ms (v2); 512-token copies were slower
     than 256 (v2 0.80 vs 0.72 ms, v3 0.66 vs 0.555 ms); 4-bit: 256-token steps 0.755 ms vs
-    128-token 0.83 ms. `block_tokens`/`stages` override the defaults.
+    128-token 0.83 ms. Rechecked with the run-9 kernel (docs/performance.md run 11): 3 stages,
+    512-token copies and S=6/12 no faster at 2/4-bit G=128 and 2-bit G=32.
+    `block_tokens`/`stages` override the defaults.
     """
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
