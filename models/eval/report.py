@@ -492,11 +492,8 @@ def _ppl_tables(stream: list[dict], sim: list[dict]) -> list[str]:
             "",
             "![perplexity against bits](accuracy_ppl_bits.png)",
             "",
-            "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *_ppl_table(stream, base),
         ]
-        for r in sorted(stream, key=_order):
-            out.append(_row(r, base))
         out.append("")
     if sim:
         base = next((r["ppl"] for r in sim if r["cache"] == "fp16" and "ppl" in r), None)
@@ -506,11 +503,8 @@ def _ppl_tables(stream: list[dict], sim: list[dict]) -> list[str]:
             "One forward pass over each whole window in which every layer's K and V are replaced "
             "by their quantize-dequantize image (no residual window: R does not apply).",
             "",
-            "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *_ppl_table(sim, base),
         ]
-        for r in sorted(sim, key=_order):
-            out.append(_row(r, base))
         out.append("")
     return out
 
@@ -523,6 +517,13 @@ def _order(r):
     name = r.get("cache", "")
     idx = _NAME_ORDER.index(name) if name in _NAME_ORDER else len(_NAME_ORDER)
     return (idx, r.get("group_size") or 0, r.get("residual_length") or 0)
+
+
+def _ppl_table(recs, base: float | None) -> list[str]:
+    """A perplexity table: header, then one row per record in cache order."""
+    return ["| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *(_row(r, base) for r in sorted(recs, key=_order))]
 
 
 def _row(r: dict, base: float | None) -> str:
@@ -721,11 +722,8 @@ def _extra_table(recs: list[dict], filename: str) -> list[str]:
         command,
         "```",
         "",
-        "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *_ppl_table(recs, base),
     ]
-    for r in sorted(recs, key=_order):
-        out.append(_row(r, base))
     got = sorted(((r["cache"], r["ppl"]) for r in recs), key=lambda x: x[1])
     out += ["", "Ordering: " + " < ".join(f"{n} ({v:.2f})" for n, v in got) + ".", ""]
     return out
