@@ -38,6 +38,18 @@ def ablations(kb, G, which="where"):
                 ("512-token copies", r(block_tokens=512), False),
                 ("512 stages3", r(block_tokens=512, stages=3), False),
                 ("S12", r(num_splits=12), False), ("S6", r(num_splits=6), False)]
+    if which == "floors":  # load pipeline alone, compute alone (L2-resident copies), layouts
+        return [("default", d, False), ("stages3", r(stages=3), False),
+                ("pipeline-only", r(skip="compute"), False),
+                ("pipeline-only st3", r(skip="compute", stages=3), False),
+                ("pipeline-only 512", r(skip="compute", block_tokens=512), False),
+                ("pipeline-only alt", r(skip="compute"), True),
+                ("pipeline-only alt st3", r(skip="compute", stages=3), True),
+                ("pipeline-only alt 512", r(skip="compute", block_tokens=512), True),
+                ("compute-only", r(skip="loads"), False),
+                ("compute-only alt", r(skip="loads"), True),
+                ("alt", d, True), ("alt st3", r(stages=3), True),
+                ("alt 512", r(block_tokens=512), True)]
     if which == "w8":  # widen8 byte permutes (default) against Mosaic's own u8 -> u16 relayout
         return [("default", d, False), ("no widen8", r(widen8=False), False)]
     if which == "g32":  # G = 32: per-warp group vectors (default) against per-element selects
@@ -78,7 +90,8 @@ def main():
     ap.add_argument("--G", type=int, default=128)
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
-    ap.add_argument("--set", default="where", help="ablation set: where | regs | g32 | w8 | steps")
+    ap.add_argument("--set", default="where",
+                    help="ablation set: where | regs | g32 | w8 | steps | floors")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

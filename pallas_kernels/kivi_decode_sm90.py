@@ -80,7 +80,8 @@ class TuningConfig:
       instead of transposing it through shuffles (N padded to 8).
     p_concat: transpose the P tiles of all planes of a sub-step in one store.
     skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
-      pipeline, "values" drops the value product.
+      pipeline, "values" drops the value product, "loads" computes every step on one of the
+      split's first two blocks (the copies then hit L2: the compute floor).
     fold_k: fold the key scale into q per token group (opt-in, see `_make_kernel`): key codes
       enter wgmma as raw fp16 integers (one and/or + one subtraction per element pair, no
       multiply-add, no selects); B = q * s_g per group, the bias q . z_g comes from a second
@@ -142,16 +143,18 @@ class TuningConfig:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if not 1 <= self.stages <= 8:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
-        if self.skip not in ("", "compute", "values"):
-            raise ValueError(f"skip must be '', 'compute' or 'values', got {self.skip!r}")
+        if self.skip not in ("", "compute", "values", "loads"):
+            raise ValueError(
+                f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
 
 
 def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> bool:
     """Whether the kernel takes the widen8 path (`_widen8`): native only, not with the folded
     or alternative P layouts (their operands are in the natural order) nor with key chunks (a
     chunk would split the swizzled code rows)."""
+    del alt_layout  # both layouts hold a plane's value codes as 64-byte rows
     natural_order = tuning.fold_k or tuning.fold_v or tuning.p_direct or tuning.p_concat
-    return bool(tuning.widen8 and not interpret and not alt_layout and tuning.k_chunks == 1
+    return bool(tuning.widen8 and not interpret and tuning.k_chunks == 1
                 and not natural_order)
 
 
@@ -802,22 +805,26 @@ def _make_kernel(
         # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
         vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
         # Block indices are offset by this split's first step (a traced value).
+        if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
+            blk = lambda i: first + lax.rem(i, 2)
+        else:
+            blk = lambda i: first + i
         if not alt_layout:
             specs = [
-                plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
-                plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
-                plgpu.BlockSpec((g_rows, D), lambda i: (first + i, 0)),
-                plgpu.BlockSpec((D, v_cols), lambda i: (0, first + i), transforms=vtf),
+                plgpu.BlockSpec((kc_rows, D), lambda i: (blk(i), 0), transforms=ktf),
+                plgpu.BlockSpec((g_rows, D), lambda i: (blk(i), 0)),
+                plgpu.BlockSpec((g_rows, D), lambda i: (blk(i), 0)),
+                plgpu.BlockSpec((D, v_cols), lambda i: (0, blk(i)), transforms=vtf),
                 # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
-                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
-                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, first + i, 0)),
+                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, blk(i), 0)),
+                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, blk(i), 0)),
             ]
         else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
             specs = [
-                plgpu.BlockSpec((kc_rows, D), lambda i: (first + i, 0), transforms=ktf),
-                plgpu.BlockSpec((g_rows, 2, D), lambda i: (first + i, 0, 0)),
-                plgpu.BlockSpec((v_cols // PLANE, D, PLANE), lambda i: (first + i, 0, 0)),
-                plgpu.BlockSpec((D // G, TS // VCH, 2, VCH), lambda i: (0, first + i, 0, 0)),
+                plgpu.BlockSpec((kc_rows, D), lambda i: (blk(i), 0), transforms=ktf),
+                plgpu.BlockSpec((g_rows, 2, D), lambda i: (blk(i), 0, 0)),
+                plgpu.BlockSpec((v_cols // PLANE, D, PLANE), lambda i: (blk(i), 0, 0)),
+                plgpu.BlockSpec((D // G, TS // VCH, 2, VCH), lambda i: (0, blk(i), 0, 0)),
             ]
         m_run, l_t, accs = plgpu.emit_pipeline(
             step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
