@@ -50,6 +50,9 @@ def ablations(kb, G, which="where"):
                 ("compute-only alt", r(skip="loads"), True),
                 ("alt", d, True), ("alt st3", r(stages=3), True),
                 ("alt 512", r(block_tokens=512), True)]
+    if which == "fv":  # value scale folded into P (default at G >= 64) against unfolded
+        return [("default", d, False), ("no fold_v", r(fold_v=False), False),
+                ("compute-only", r(skip="loads"), False)]
     if which == "w8":  # widen8 byte permutes (default) against Mosaic's own u8 -> u16 relayout
         return [("default", d, False), ("no widen8", r(widen8=False), False)]
     if which == "g32":  # G = 32: per-warp group vectors (default) against per-element selects
@@ -91,7 +94,7 @@ def main():
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
-                    help="ablation set: where | regs | g32 | w8 | steps | floors")
+                    help="ablation set: where | regs | g32 | w8 | steps | floors | fv")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

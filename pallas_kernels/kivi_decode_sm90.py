@@ -26,8 +26,7 @@ interpret: under the interpreter the kernel widens with jnp (natural order) and 
 group per element, the same function. Opt-in TuningConfig flags (off by default; measured on
 the H200 in docs/performance.md, runs 6 to 9, none faster than this default): `fold_k` folds
 the key scale into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in
-SMEM, the bias by a ones-tile wgmma; G = 32: two wgmmas per plane), `fold_v` the value scale
-into P,
+SMEM, the bias by a ones-tile wgmma; G = 32: two wgmmas per plane),
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update. With `fold_k` q * sm_scale * s
 and q * sm_scale * z must stay below 65504 (fp16 operands). `kivi_decode_reference` computes the
@@ -90,10 +89,12 @@ class TuningConfig:
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
-    fold_v: fold the value scale into P per token and channel group (opt-in): value codes
-      enter wgmma raw, B = P * s_v (per channel group), the bias P . z_v from a ones-tile
-      wgmma; G = 32: two accumulators per 64-channel tile (one per group), rows picked at
-      the end.
+    fold_v: fold the value scale into P per token where a 64-channel tile is one channel group
+      (G >= 64; on by default, G = 32 ignores it): a value code field enters wgmma as the fp16
+      number 2^(10 - bits*j) + code (one and per element pair, no subtraction, no fma), B is
+      P * s_t per group (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
+      subtracted from the accumulator after every sub-step (so it never grows across steps)
+      and the minimums' sum_t P * z_t is accumulated elementwise in f32 and added at the end.
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
     k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma; D = 64
@@ -108,7 +109,7 @@ class TuningConfig:
     widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
-      SMEM. Native only (not with fold_k, fold_v, p_direct, p_concat, k_chunks=2).
+      SMEM. Native only (not with fold_k, p_direct, p_concat, k_chunks=2).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -123,7 +124,7 @@ class TuningConfig:
     fold_k: bool = False
     reload_codes: bool = False
     lean_values: bool = False
-    fold_v: bool = False
+    fold_v: bool = True
     k_chunks: int = 1
     sub_tokens: int = 256
     warp_groups: bool = True
@@ -153,9 +154,16 @@ def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> b
     or alternative P layouts (their operands are in the natural order) nor with key chunks (a
     chunk would split the swizzled code rows)."""
     del alt_layout  # both layouts hold a plane's value codes as 64-byte rows
-    natural_order = tuning.fold_k or tuning.fold_v or tuning.p_direct or tuning.p_concat
+    natural_order = tuning.fold_k or tuning.p_direct or tuning.p_concat
     return bool(tuning.widen8 and not interpret and tuning.k_chunks == 1
                 and not natural_order)
+
+
+def _folds_values(tuning: TuningConfig, group_size: int) -> bool:
+    """Whether the value scale is folded into P (`TuningConfig.fold_v`): each 64-channel tile
+    must be one channel group, and P must be stored in the default transposed layout."""
+    return bool(tuning.fold_v and group_size >= PLANE and not tuning.p_direct
+                and not tuning.p_concat)
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int) -> int:
@@ -179,8 +187,8 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     if tuning.fold_k:  # q * s_g and q * z_g per group of a sub-step, the ones tile, q^T f32
         ngs = min(TS, 256) // G
         fold = ngs * padded_heads * (D + PLANE) * 2 + PLANE * PLANE * 2 + D * padded_heads * 4
-    if tuning.fold_v:  # P * s_v and P * z_v per plane and channel group, the ones tile
-        fold += 2 * min(TS, 256) * (D // G) * padded_heads * 2 + PLANE * PLANE * 2
+    if _folds_values(tuning, G):  # P * s_t per plane and channel group instead of P
+        fold += 2 * min(tuning.sub_tokens, TS) * padded_heads * (D // G - 1)
     return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
 
 
@@ -238,6 +246,19 @@ def _widen_codes(x8):
     into one LOP3, so this removes an instruction per element pair and plane).
     """
     return x8.astype(jnp.uint16) | jnp.uint16(_EXP_BITS)
+
+
+def _field_offset(bits: int, j: int) -> float:
+    """The fp16 offset 2^(10 - bits*j) of code field j under the magic-number trick."""
+    return float(2 ** (10 - bits * j))
+
+
+def _field_raw(y16, bits: int, j: int):
+    """Code field j of bytes widened by `_widen_codes` as the fp16 number
+    `_field_offset(bits, j) + code` (exact): one and, the offset left to the caller."""
+    mask = ((1 << bits) - 1) << (bits * j)
+    magic = (25 - bits * j) << 10  # fp16 bit pattern of the offset (a subset of _EXP_BITS)
+    return lax.bitcast_convert_type(y16 & jnp.uint16(mask | magic), jnp.float16)
 
 
 def _field_to_f16(y16, bits: int, j: int):
@@ -432,9 +453,9 @@ def _make_kernel(
     fold = tuning.fold_k
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
-    fold_v = tuning.fold_v
+    fv = _folds_values(tuning, G)
     DG = D // G  # value channel groups
-    VG = max(1, PLANE // G)  # value channel groups per 64-channel tile (2 for G = 32)
+    vgroup = lambda m: m * PLANE // G  # channel group of 64-channel tile m (fv: G >= 64)
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret, alt_layout)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -444,9 +465,7 @@ def _make_kernel(
         widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
-    NACC = mtiles * VG if fold_v else mtiles
-    extra_names = ((["qt_s", "bq_s", "qz_s", "bar2"] if fold else [])
-                   + (["ones_s"] if fold or fold_v else []) + (["pv_s", "pz_s"] if fold_v else []))
+    extra_names = (["qt_s", "bq_s", "qz_s", "bar2", "ones_s"] if fold else [])
 
     n_in = 4 if alt_layout else 6
 
@@ -457,7 +476,6 @@ def _make_kernel(
         o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *extra = refs[n_in:]
         ex = dict(zip(extra_names, extra, strict=True))
         ones_s = ex.get("ones_s")
-        pv_s, pz_s = ex.get("pv_s"), ex.get("pz_s")
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         s = lax.axis_index("s")
@@ -559,8 +577,9 @@ def _make_kernel(
                                  cache, "k", per_warp, w8)
             return x * sc + mn
 
-        def v_codes(v, p, m, cache):
-            """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+        def v_codes(v, p, m, cache, raw=False):
+            """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16 (raw:
+            plus the field's offset, `_field_raw`)."""
             r = (p // Pv, m)
             if reload:
                 x = widen_v(v["vcodes"](*r))
@@ -568,12 +587,16 @@ def _make_kernel(
                 if r not in cache:
                     cache[r] = widen_v(v["vcodes"](*r))
                 x = cache[r]
-            return _field_to_f16(x, value_bits, p % Pv)
+            return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
 
         def vgroups(m):
             """Value channel groups of channel tile m: one, or two for G = 32."""
             g0 = m * PLANE // G
             return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
+
+        def v_raw(v, p, m, cache):
+            """fv: V^T code fields of plane p, channel tile m, with their offset: (64, 64)."""
+            return v_codes(v, p, m, cache, raw=True)
 
         def v_tile(v, p, m, cache):
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
@@ -670,7 +693,7 @@ def _make_kernel(
             v = views(refs, u)
             if fold:
                 fold_prep(v)
-            m_run, l_t, accs = carry
+            m_run, l_t, accs, zaccs = carry
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
             st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
                   for p, x in enumerate(scores(v))]
@@ -687,28 +710,29 @@ def _make_kernel(
                 l_t = l_t + x
             accs = tuple(a * ab for a in accs)
             if tuning.skip == "values":
-                return m_new, l_t, accs
-            if fold_v:
-                return m_new, l_t, values_folded(v, ps, accs)
+                return m_new, l_t, accs, zaccs
+            corr = None
+            if fv:
+                corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
             # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
             # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
-            # rows, one plane at a time or all planes in one store (p_concat).
-            if tuning.p_direct:
+            # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t of
+            # each channel group, stored by _fold_values.
+            if fv:
+                pb = lambda p, m: p_s.at[p * DG + vgroup(m)].T
+            elif tuning.p_direct:
                 for p in range(planes):
                     p_s[p] = ps[p].astype(f16)
-                pb = lambda p: p_s.at[p]
+                pb = lambda p, m: p_s.at[p]
             elif tuning.p_concat:
                 p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
-                pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
-            elif w8:  # tokens in the _PERM16 order of the widen8 value tiles
-                for p in range(planes):
-                    _store_p_perm(ps[p].astype(f16), p_s.at[p])
-                pb = lambda p: p_s.at[p].T
+                pb = lambda p, m: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
             else:
                 for p in range(planes):
-                    p_s.at[p].T[...] = plgpu.layout_cast(ps[p].astype(f16), _WGT)
-                pb = lambda p: p_s.at[p].T
+                    _store_p(ps[p].astype(f16), p)
+                pb = lambda p, m: p_s.at[p].T
             plgpu.commit_smem()
+            vt = v_raw if fv else v_tile
             cache = {}
             if stage_smem:
                 new = []
@@ -716,9 +740,9 @@ def _make_kernel(
                     def pv(acc, mt=mt):
                         cache = {}  # values loaded in one scope must not leak into another
                         for p in range(planes):
-                            vd_s[...] = v_tile(v, p, mt, cache)
+                            vd_s[...] = vt(v, p, mt, cache)
                             plgpu.commit_smem()
-                            plgpu.wgmma(acc, vd_s, pb(p))
+                            plgpu.wgmma(acc, vd_s, pb(p, mt))
                             plgpu.wgmma_wait(0)
                         return acc[...]
                     new.append(accs[mt] + pl.run_scoped(pv, plgpu.ACC((PLANE, NP), jnp.float32)))
@@ -727,8 +751,7 @@ def _make_kernel(
                 def pv(acc_refs):
                     for p in range(planes):
                         for mt in range(mtiles):
-                            plgpu.wgmma(acc_refs[mt], v_tile(v, p, mt, cache),
-                                        pb(p))
+                            plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p, mt))
                             if tuning.lean_values:
                                 plgpu.wgmma_wait(1)
                         if tuning.lean_values:
@@ -739,66 +762,46 @@ def _make_kernel(
                             plgpu.wgmma_wait(0)
                     plgpu.wgmma_wait(0)
                 accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
-            return m_new, l_t, accs
+            if corr is not None:  # the code fields' offsets, subtracted every sub-step
+                accs = tuple(a + corr[vgroup(m)] for m, a in enumerate(accs))
+            return m_new, l_t, accs, zaccs
 
-        def values_folded(v, ps, accs):
-            """O^T += raw V codes . (P * s_v[cg])^T + ones . (P * z_v[cg])^T per channel group
-            cg; accs: VG accumulators per 64-channel tile (G = 32: rows of group 2m in the
-            first, of group 2m+1 in the second)."""
+        def _store_p(x16, idx):
+            """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
+            widen8 order when w8)."""
+            if w8:
+                _store_p_perm(x16, p_s.at[idx])
+            else:
+                p_s.at[idx].T[...] = plgpu.layout_cast(x16, _WGT)
+
+        def _fold_values(v, ps, zaccs):
+            """fv: stores P * s_t (fp16) of every plane and channel group as the B operand and
+            returns (corr, zaccs): corr[g] the (64, N) broadcast of
+            -sum_t offset_j * fp16(P * s_t) (the offsets the raw code fields carry into the
+            product; from the rounded values wgmma sees, so they cancel exactly up to the f32
+            sums), zaccs[g] += P * z_t elementwise (the minimums' term, reduced at the end)."""
+            zaccs = list(zaccs)
+            coff = [None] * DG
             for p in range(planes):
-                for cg in range(DG):
-                    sv = plgpu.load(v["vscale"](p)(cg), (), layout=_WG.reduce(1))
-                    zv = plgpu.load(v["vmin"](p)(cg), (), layout=_WG.reduce(1))
+                off = _field_offset(value_bits, p % Pv)
+                for g in range(DG):
+                    sv = plgpu.load(v["vscale"](p)(g), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(g), (), layout=_WG.reduce(1))
                     sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
                     zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                    pv_s.at[p * DG + cg].T[...] = plgpu.layout_cast((ps[p] * sb).astype(f16),
-                                                                    _WGT)
-                    pz_s.at[p * DG + cg].T[...] = plgpu.layout_cast((ps[p] * zb).astype(f16),
-                                                                    _WGT)
-            plgpu.commit_smem()
-
-            def issue(accs_m, a, p, m):
-                for i, cg in enumerate(vgroups(m)):
-                    plgpu.wgmma(accs_m[i], a, pv_s.at[p * DG + cg].T)
-                    plgpu.wgmma(accs_m[i], ones_s, pz_s.at[p * DG + cg].T)
-
-            if stage_smem:
-                new = list(accs)
-                for mt in range(mtiles):
-                    def pv(*accs_m, mt=mt):
-                        cache = {}
-                        for p in range(planes):
-                            vd_s[...] = v_codes(v, p, mt, cache)
-                            plgpu.commit_smem()
-                            issue(accs_m, vd_s, p, mt)
-                            plgpu.wgmma_wait(0)
-                        return [a[...] for a in accs_m]
-                    outs = pl.run_scoped(pv, *[plgpu.ACC((PLANE, NP), jnp.float32)] * VG)
-                    for i in range(VG):
-                        new[mt * VG + i] = new[mt * VG + i] + outs[i]
-                return tuple(new)
-
-            cache = {}
-
-            def pv(acc_refs):
-                for p in range(planes):
-                    for mt in range(mtiles):
-                        issue(acc_refs[mt * VG:(mt + 1) * VG], v_codes(v, p, mt, cache), p, mt)
-                        if tuning.lean_values:
-                            plgpu.wgmma_wait(2 * VG)
-                    if tuning.lean_values:
-                        pass
-                    elif p and tuning.overlap:
-                        plgpu.wgmma_wait(2 * VG * mtiles)
-                    elif not tuning.overlap:
-                        plgpu.wgmma_wait(0)
-                plgpu.wgmma_wait(0)
-            return pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+                    pp = (ps[p] * sb).astype(f16)
+                    _store_p(pp, p * DG + g)
+                    c = pp.astype(jnp.float32) * -off
+                    coff[g] = c if coff[g] is None else coff[g] + c
+                    zaccs[g] = zaccs[g] + ps[p] * zb
+            corr = [lax.broadcast_in_dim(c.sum(axis=0), (PLANE, NP), [1]) for c in coff]
+            return corr, tuple(zaccs)
 
         m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
         l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-        a0 = tuple(plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-                   for _ in range(NACC))
+        zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+        a0 = tuple(zero() for _ in range(mtiles))
+        z0 = tuple(zero() for _ in range(DG if fv else 0))  # fv: sum_t P * z_t per group
         kc_rows, g_rows = TS // Pk, TS // G
         v_cols = TS // Pv
         ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
@@ -826,17 +829,17 @@ def _make_kernel(
                 plgpu.BlockSpec((v_cols // PLANE, D, PLANE), lambda i: (blk(i), 0, 0)),
                 plgpu.BlockSpec((D // G, TS // VCH, 2, VCH), lambda i: (0, blk(i), 0, 0)),
             ]
-        m_run, l_t, accs = plgpu.emit_pipeline(
+        m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
             step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
-            init_carry=(m0, l0, a0),
+            init_carry=(m0, l0, a0, z0),
         )(*[x.at[layer, b, h] for x in gmem])
         l = l_t.sum(axis=0)
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
         ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
-        if fold_v and VG > 1:  # rows [0, 32) from the first group's accumulator
-            lo = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG) < G
-            accs = [jnp.where(lo, accs[mt * VG], accs[mt * VG + 1]) for mt in range(mtiles)]
+        if fv:  # the minimums' term of each channel group
+            zs = [lax.broadcast_in_dim(z.sum(axis=0), (PLANE, NP), [1]) for z in zaccs]
+            accs = [a + zs[vgroup(m)] for m, a in enumerate(accs)]
         for mt in range(mtiles):
             o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
         lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
@@ -849,7 +852,8 @@ def _make_kernel(
         plgpu.SMEM((KCH, NP, DC), f16, transforms=_swz(f16, DC)),
         (plgpu.SMEM((planes, PLANE, NP), f16, transforms=_swz(f16, NP)) if tuning.p_direct else
          plgpu.SMEM((NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat else
-         plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
+         plgpu.SMEM((planes * (DG if fv else 1), NP, PLANE), f16,
+                    transforms=_swz(f16, PLANE))),
         plgpu.SMEM((D, NP), jnp.float32),
         plgpu.SMEM((NP,), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
@@ -864,11 +868,8 @@ def _make_kernel(
             plgpu.SMEM((NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
             plgpu.SMEM((NGS, NP, PLANE), f16, transforms=_swz(f16, PLANE)),  # q * z_g, summed
             plgpu.Barrier(),
+            plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)),  # ones
         ]
-    if fold or fold_v:
-        scratch.append(plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)))  # ones
-    if fold_v:  # P * s_v and P * z_v per plane and channel group, as [N, 64 tokens]
-        scratch += [plgpu.SMEM((planes * DG, NP, PLANE), f16, transforms=_swz(f16, PLANE))] * 2
     return plgpu.kernel(
         kivi_decode_sm90,
         out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),

@@ -217,9 +217,20 @@ def test_native_only_paths_are_gated():
     assert kd._uses_widen8(d, False)
     assert not kd._uses_widen8(d, plgpu.InterpretGPUParams())
     assert kd._uses_widen8(d, False, alt_layout=True)
-    for flags in (dict(fold_k=True), dict(fold_v=True), dict(p_direct=True),
-                  dict(p_concat=True), dict(k_chunks=2), dict(widen8=False)):
+    for flags in (dict(fold_k=True), dict(p_direct=True), dict(p_concat=True),
+                  dict(k_chunks=2), dict(widen8=False)):
         assert not kd._uses_widen8(TC(**flags), False), flags
+
+
+def test_value_fold_gating():
+    """The value scale folds into P only where a 64-channel tile is one channel group (G >= 64)
+    and P is stored transposed; widen8 and the interpreter both take it."""
+    assert kd._folds_values(TC(), 128) and kd._folds_values(TC(), 64)
+    assert not kd._folds_values(TC(), 32)
+    assert not kd._folds_values(TC(fold_v=False), 128)
+    assert not kd._folds_values(TC(p_direct=True), 128)
+    assert not kd._folds_values(TC(p_concat=True), 128)
+    assert kd._uses_widen8(TC(fold_v=True), False)
 
 
 def test_interpret_true_means_gpu_interpreter():
