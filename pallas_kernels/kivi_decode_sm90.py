@@ -89,8 +89,8 @@ class TuningConfig:
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
-    fold_v: fold the value scale into P per token where a 64-channel tile is one channel group
-      (G >= 64; on by default, G = 32 ignores it): a value code field enters wgmma as the fp16
+    fold_v: fold the value scale into P per token where a token has one channel group (G = D;
+      on by default, ignored otherwise): a value code field enters wgmma as the fp16
       number 2^(10 - bits*j) + code (one and per element pair, no subtraction, no fma), B is
       P * s_t per group (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
       subtracted from the accumulator after every sub-step (so it never grows across steps)
@@ -159,10 +159,12 @@ def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> b
                 and not natural_order)
 
 
-def _folds_values(tuning: TuningConfig, group_size: int) -> bool:
-    """Whether the value scale is folded into P (`TuningConfig.fold_v`): each 64-channel tile
-    must be one channel group, and P must be stored in the default transposed layout."""
-    return bool(tuning.fold_v and group_size >= PLANE and not tuning.p_direct
+def _folds_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
+    """Whether the value scale is folded into P (`TuningConfig.fold_v`): one channel group per
+    token (G = D) and P stored in the default transposed layout. With two channel groups
+    (D = 128, G = 64) the second set of P * s_t tiles and sums put the kernel at 255 registers
+    and made it slower (H200, docs/performance.md run 13: 0.383 -> 0.421 ms)."""
+    return bool(tuning.fold_v and group_size == head_dim and not tuning.p_direct
                 and not tuning.p_concat)
 
 
@@ -187,7 +189,7 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     if tuning.fold_k:  # q * s_g and q * z_g per group of a sub-step, the ones tile, q^T f32
         ngs = min(TS, 256) // G
         fold = ngs * padded_heads * (D + PLANE) * 2 + PLANE * PLANE * 2 + D * padded_heads * 4
-    if _folds_values(tuning, G):  # P * s_t per plane and channel group instead of P
+    if _folds_values(tuning, G, D):  # P * s_t per plane and channel group instead of P
         fold += 2 * min(tuning.sub_tokens, TS) * padded_heads * (D // G - 1)
     return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
 
@@ -453,7 +455,7 @@ def _make_kernel(
     fold = tuning.fold_k
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
-    fv = _folds_values(tuning, G)
+    fv = _folds_values(tuning, G, D)
     DG = D // G  # value channel groups
     vgroup = lambda m: m * PLANE // G  # channel group of 64-channel tile m (fv: G >= 64)
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret

@@ -2,11 +2,11 @@
 
 CPU (CI): the SMEM-staged variant under the Mosaic GPU interpreter with race detection, on
 small random caches (bits 2/4 and K4V2, G 32/64/128, GQA ratios, ragged lengths incl. 0 and
-partial blocks, D 64/128, a nonzero layer) and the opt-in TuningConfig flags (fold_k,
-reload_codes, lean_values, fold_v); the production variant cross-lowered for sm_90 (flags too;
-its native-only paths, per-warp group vectors and widen8, are not interpretable and are checked
-by cross-lowering here and natively on the GPU);
-the twin against a plain dequantize-then-softmax attention; argument errors.
+partial blocks, D 64/128, a nonzero layer; G = D folds the value scale into P) and the
+TuningConfig flags (fold_k, reload_codes, lean_values, fold_v on and off); the production
+variant cross-lowered for sm_90 (flags too; its native-only paths, per-warp group vectors
+and widen8, are not interpretable and are checked by cross-lowering here and natively on the
+GPU); the twin against a plain dequantize-then-softmax attention; argument errors.
 GPU (skipped elsewhere): the production variant natively on larger shapes, outputs poisoned
 first, deterministic run to run.
 """
@@ -156,8 +156,9 @@ def test_reference_matches_plain_attention(case):
     compare(ro, rlse, po, plse, 1e-5)
 
 
-# Opt-in TuningConfig flags: small shapes, each flag in the interpreter (fold_k and fold_v:
-# G = 32 with two wgmmas per tile, 4-bit with one group per sub-step; reload_codes; D = 64) and
+# TuningConfig flags: small shapes, each flag in the interpreter (fold_k: G = 32 with two
+# wgmmas per tile, 4-bit with one group per sub-step; fold_v on and off at G = D;
+# reload_codes; D = 64) and
 # cross-lowered for sm_90 (lean_values changes only the wgmma waits of the production
 # variant, which the SMEM-staged interpreter variant does not have: cross-lowering only).
 FLAG_CASES = [
@@ -165,6 +166,7 @@ FLAG_CASES = [
      TC(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True, fold_v=True)),
     (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2, fold_k=True)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
+    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TC(256, 1, 2, fold_v=False)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TC(256, 1, 2, reload_codes=True, lean_values=True)),
     # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
@@ -223,13 +225,13 @@ def test_native_only_paths_are_gated():
 
 
 def test_value_fold_gating():
-    """The value scale folds into P only where a 64-channel tile is one channel group (G >= 64)
-    and P is stored transposed; widen8 and the interpreter both take it."""
-    assert kd._folds_values(TC(), 128) and kd._folds_values(TC(), 64)
-    assert not kd._folds_values(TC(), 32)
-    assert not kd._folds_values(TC(fold_v=False), 128)
-    assert not kd._folds_values(TC(p_direct=True), 128)
-    assert not kd._folds_values(TC(p_concat=True), 128)
+    """The value scale folds into P only where a token has one channel group (G = D) and P is
+    stored transposed; widen8 and the interpreter both take it."""
+    assert kd._folds_values(TC(), 128, 128) and kd._folds_values(TC(), 64, 64)
+    assert not kd._folds_values(TC(), 64, 128) and not kd._folds_values(TC(), 32, 128)
+    assert not kd._folds_values(TC(fold_v=False), 128, 128)
+    assert not kd._folds_values(TC(p_direct=True), 128, 128)
+    assert not kd._folds_values(TC(p_concat=True), 128, 128)
     assert kd._uses_widen8(TC(fold_v=True), False)
 
 
@@ -299,6 +301,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(256, 4, 2, warp_groups=False)),
+    # G = D with the value scale applied to the codes (fold_v off) instead of folded into P.
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_v=False)),
 ]
 
 
