@@ -24,12 +24,21 @@ the B operand, scale vectors by their loads. G = 32 tiles hold two groups: each 
 vectors of the group its rows belong to (`_vec_load`). Both are inline Mosaic GPU and do not
 interpret: under the interpreter the kernel widens with jnp (natural order) and selects the
 group per element, the same function. Opt-in TuningConfig flags (off by default; measured on
-the H200 in docs/performance.md, runs 6 to 9, none faster than this default): `fold_k` folds
-the key scale into q per token group (raw codes into wgmma, q * s_g and q * z_g per group in
-SMEM, the bias by a ones-tile wgmma; G = 32: two wgmmas per plane),
+the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
-the head dim, `sub_tokens` sets the tokens per softmax update. With `fold_k` q * sm_scale * s
-and q * sm_scale * z must stay below 65504 (fp16 operands). `kivi_decode_reference` computes the
+the head dim, `sub_tokens` sets the tokens per softmax update.
+
+Folded scales (`fold_k` at G >= 128, `fold_v` at G = D; on by default, runs 13-14): where the
+group structure leaves few distinct scale vectors per sub-step, the scale goes into the other
+operand instead of into every element: keys, B = fp16(q * s_g) per token group (at most two
+per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
+as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair and plane, no
+subtraction, no fma), and the field offsets and the minimums become per-row biases, computed
+in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to f32
+rounding: keys, q . z_g - 2^(10 - bits*j) * sum_c fp16(q * s_g)_c per group and plane, added to
+the scores; values, the offsets' sum_t subtracted after every sub-step (the accumulator never
+carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * s| must stay
+below 65504 (fp16 operand). `kivi_decode_reference` computes the
 same function in float32 in the folded form (scales into q / p, minimums as biases), so kernel
 and twin are two different factorizations of one formula.
 
@@ -81,11 +90,10 @@ class TuningConfig:
     skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
       pipeline, "values" drops the value product, "loads" computes every step on one of the
       split's first two blocks (the copies then hit L2: the compute floor).
-    fold_k: fold the key scale into q per token group (opt-in, see `_make_kernel`): key codes
-      enter wgmma as raw fp16 integers (one and/or + one subtraction per element pair, no
-      multiply-add, no selects); B = q * s_g per group, the bias q . z_g comes from a second
-      wgmma (a ones tile times q * z_g). G = 32: two wgmmas per 64-token plane (one per
-      group) and one select per score element.
+    fold_k: fold the key scale into q per token group where a 256-token sub-step holds at
+      most two groups (G >= 128; on by default, ignored otherwise): B = fp16(q * s_g) per group
+      (`fold_prep`), key code fields enter wgmma with their offset (one and per element pair),
+      and q . z_g - offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j.
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
@@ -98,9 +106,9 @@ class TuningConfig:
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
     k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma; D = 64
-      and fold_k: always 1): a
-      chunk's code bytes, scale and minimum vectors and dequantized tiles are live at a time
-      instead of the whole head dim's (fewer registers, twice the wgmmas).
+      and a folded key product: always 1): a chunk's code bytes, scale and minimum vectors and
+      dequantized tiles are live at a time instead of the whole head dim's (fewer registers,
+      twice the wgmmas).
     sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
       update (cross-warp max, P through SMEM) per sub-step.
     warp_groups: G = 32 (two groups per 64-row tile): each warp loads the scale and minimum
@@ -109,7 +117,7 @@ class TuningConfig:
     widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
-      SMEM. Native only (not with fold_k, p_direct, p_concat, k_chunks=2).
+      SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -121,7 +129,7 @@ class TuningConfig:
     p_direct: bool = False
     p_concat: bool = False
     skip: str = ""
-    fold_k: bool = False
+    fold_k: bool = True
     reload_codes: bool = False
     lean_values: bool = False
     fold_v: bool = True
@@ -154,7 +162,7 @@ def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> b
     or alternative P layouts (their operands are in the natural order) nor with key chunks (a
     chunk would split the swizzled code rows)."""
     del alt_layout  # both layouts hold a plane's value codes as 64-byte rows
-    natural_order = tuning.fold_k or tuning.p_direct or tuning.p_concat
+    natural_order = tuning.p_direct or tuning.p_concat
     return bool(tuning.widen8 and not interpret and tuning.k_chunks == 1
                 and not natural_order)
 
@@ -168,10 +176,17 @@ def _folds_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
                 and not tuning.p_concat)
 
 
-def _key_chunks(tuning: TuningConfig, head_dim: int) -> int:
+def _folds_keys(tuning: TuningConfig, group_size: int) -> bool:
+    """Whether the key scale is folded into q (`TuningConfig.fold_k`): a 64-token plane in one
+    group and at most two groups per 256-token sub-step (the per-group work, an [N, D] operand
+    and two sums over D, is then small against the dequantization it saves)."""
+    return bool(tuning.fold_k and group_size >= 128)
+
+
+def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
     64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
-    if tuning.fold_k or head_dim % (PLANE * tuning.k_chunks):
+    if _folds_keys(tuning, group_size) or head_dim % (PLANE * tuning.k_chunks):
         return 1
     return tuning.k_chunks
 
@@ -186,9 +201,9 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     TS, D, G = tuning.block_tokens, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
     fold = 0
-    if tuning.fold_k:  # q * s_g and q * z_g per group of a sub-step, the ones tile, q^T f32
-        ngs = min(TS, 256) // G
-        fold = ngs * padded_heads * (D + PLANE) * 2 + PLANE * PLANE * 2 + D * padded_heads * 4
+    if _folds_keys(tuning, G):  # q * s_g per group of a sub-step, q^T in f32
+        ngs = min(tuning.sub_tokens, TS) // G
+        fold = ngs * padded_heads * D * 2 + D * padded_heads * 4
     if _folds_values(tuning, G, D):  # P * s_t per plane and channel group instead of P
         fold += 2 * min(tuning.sub_tokens, TS) * padded_heads * (D // G - 1)
     return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
@@ -371,10 +386,12 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
     return load(rows_ref)
 
 
-def _store_p_perm(p16, dst):
-    """Stores P (64 tokens, N) fp16 (WGMMA layout) as the wgmma B operand dst [N, 64] (tiling
-    (8, 64), 128-byte swizzle) with the tokens in the `_PERM16` order: each thread writes its
-    elements where the widen8 value tiles expect them (one 16-bit store each)."""
+def _store_p_perm(p16, dst, col0: int = 0):
+    """Stores P (64 tokens, N) fp16 (WGMMA layout) as columns [col0, col0 + 64) of the wgmma B
+    operand dst [N, X] (tiling (8, 64), 128-byte swizzle) with the tokens in the `_PERM16`
+    order: each thread writes its elements where the widen8 code tiles expect them (one 16-bit
+    store each). Also q * s_g of the folded key product (channels for tokens)."""
+    ctiles = dst.shape[-1] // PLANE  # (8, 64) tiles per 8 rows of dst
 
     @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.float16, PLANE))))
     def store(_, x, ref):
@@ -397,9 +414,10 @@ def _store_p_perm(p16, dst):
             for e in range(2):
                 n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
                 nr = arith.andi(n, _i32(7))
+                tile = arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(ctiles)),
+                                  _i32(col0 // PLANE))
                 off = arith.addi(
-                    arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
-                               arith.muli(nr, _i32(128))),
+                    arith.addi(arith.muli(tile, _i32(1024)), arith.muli(nr, _i32(128))),
                     arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
                 ptr = mgpu_utils.getelementptr(base, [off], i8)
                 llvm.store(vector.extract(reg, dynamic_position=[], static_position=[e]), ptr)
@@ -444,7 +462,7 @@ def _make_kernel(
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
     SUB = min(TS, tuning.sub_tokens)  # tokens per compute sub-step (one fori_loop iteration)
-    KCH = _key_chunks(tuning, D)
+    KCH = _key_chunks(tuning, D, G)
     DC = D // KCH  # head-dim chunk of the key product
     planes = SUB // PLANE
     total_steps = Tq // TS
@@ -452,7 +470,7 @@ def _make_kernel(
     mtiles = D // PLANE
     VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
     f16 = jnp.float16
-    fold = tuning.fold_k
+    fold = _folds_keys(tuning, G)
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
     fv = _folds_values(tuning, G, D)
@@ -467,7 +485,7 @@ def _make_kernel(
         widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
-    extra_names = (["qt_s", "bq_s", "qz_s", "bar2", "ones_s"] if fold else [])
+    extra_names = (["qt_s", "bq_s", "bar2"] if fold else [])
 
     n_in = 4 if alt_layout else 6
 
@@ -477,7 +495,6 @@ def _make_kernel(
         gmem = refs[:n_in]
         o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *extra = refs[n_in:]
         ex = dict(zip(extra_names, extra, strict=True))
-        ones_s = ex.get("ones_s")
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         s = lax.axis_index("s")
@@ -491,36 +508,47 @@ def _make_kernel(
 
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.barrier_wait(bar)
-        if fold:
-            qt_s, bq_s, qz_s, bar2 = ex["qt_s"], ex["bq_s"], ex["qz_s"], ex["bar2"]
+        if fold:  # q^T in f32, loop-invariant registers: (64 channels, N) per channel tile
+            qt_s, bq_s, bar2 = ex["qt_s"], ex["bq_s"], ex["bar2"]
             plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
             plgpu.barrier_wait(bar2)
-        if ones_s is not None:
-            ones_s[...] = plgpu.layout_cast(jnp.full((PLANE, PLANE), 1.0, f16), _WG)
-            plgpu.commit_smem()
+            qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
 
         def fold_prep(v):
-            """B operands of the folded key product for every group g of the sub-step:
-            bq_s[g] = (q * s_g) as [N, D] and qz_s[g] = sum over the D/64 channel tiles of
-            q * z_g as [N, 64] (fp16; products in f32), so that for a token t of group g
-            S^T[t] = codes[t] . bq_s[g]^T + ones[t] . qz_s[g]^T = q . (codes[t] * s_g + z_g).
-            """
-            qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+            """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
+            w8) for every key group g of the sub-step and returns, per plane p (group g, field
+            j), the (64, N) broadcast of q . z_g - offset_j * sum_c bq_s[g][:, c]: the bias that
+            turns codes-with-offsets . bq_s[g] into q . k. The sums are over the rounded fp16
+            values wgmma reads, so the offsets cancel up to f32 rounding."""
+            us, ws = [], []
             for g in range(NGS):
-                qs, qz = [], None
+                u = w = None
+                tiles = []
                 for mt in range(mtiles):
                     cols = pl.ds(mt * PLANE, PLANE)
                     sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
                     zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
                     sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
                     zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                    qs.append((qt[mt] * sb).astype(f16))
-                    t = qt[mt] * zb
-                    qz = t if qz is None else qz + t
-                qs = qs[0] if mtiles == 1 else jnp.concatenate(qs, axis=0)
-                bq_s.at[g].T[...] = plgpu.layout_cast(qs, _WGT)
-                qz_s.at[g].T[...] = plgpu.layout_cast(qz.astype(f16), _WGT)
+                    qs = (qt[mt] * sb).astype(f16)
+                    if w8:
+                        _store_p_perm(qs, bq_s.at[g], col0=mt * PLANE)
+                    else:
+                        tiles.append(qs)
+                    uu, ww = qs.astype(jnp.float32), qt[mt] * zb
+                    u = uu if u is None else u + uu
+                    w = ww if w is None else w + ww
+                if not w8:
+                    t = tiles[0] if mtiles == 1 else jnp.concatenate(tiles, axis=0)
+                    bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
+                us.append(u.sum(axis=0))
+                ws.append(w.sum(axis=0))
             plgpu.commit_smem()
+            out = []
+            for p in range(planes):
+                g, off = p * PLANE // G, _field_offset(key_bits, p % Pk)
+                out.append(lax.broadcast_in_dim(ws[g] - off * us[g], (PLANE, NP), [1]))
+            return out
 
         def views(refs, u):
             """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout). Scale
@@ -553,9 +581,9 @@ def _make_kernel(
                 vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
                                                         pl.ds(voff(p), PLANE)]))
 
-        def k_codes(v, p, cache, c=0):
+        def k_codes(v, p, cache, c=0, raw=False):
             """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
-            (64 tokens, DC)."""
+            (64 tokens, DC) (raw: plus the field's offset, `_field_raw`)."""
             r = p // Pk
             if reload:
                 x = widen_k(v["kcodes"](r, c))
@@ -563,12 +591,7 @@ def _make_kernel(
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
                     cache[r] = widen_k(v["kcodes"](r, c))
                 x = cache[r]
-            return _field_to_f16(x, key_bits, p % Pk)
-
-        def plane_groups(p):
-            """Key groups (indices within the sub-step) of plane p: one, or two for G = 32."""
-            g0 = p * PLANE // G
-            return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
+            return (_field_raw if raw else _field_to_f16)(x, key_bits, p % Pk)
 
         def k_tile(v, p, cache, c=0):
             """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC) fp16."""
@@ -607,55 +630,21 @@ def _make_kernel(
                                  cache, ("v", p), per_warp, w8)
             return c * sc + mn
 
-        def scores_folded(v):
-            """S^T tiles with the key scale folded into q: raw codes times bq_s[g], plus the
-            bias tile ones . qz_s[g]; G = 32 planes take rows [0, 32) from group 2p and rows
-            [32, 64) from group 2p+1 (one select per score element)."""
-            cache = {}
-            ng = len(plane_groups(0))
-
-            def issue(accs, a, p):
-                for i, g in enumerate(plane_groups(p)):
-                    plgpu.wgmma(accs[i], a, bq_s.at[g].T)
-                    plgpu.wgmma(accs[i], ones_s, qz_s.at[g].T)
-
-            if stage_smem:
-                def f(*accs, c, p):
-                    kd_s[...] = c
-                    plgpu.commit_smem()
-                    issue(accs, kd_s, p)
-                    plgpu.wgmma_wait(0)
-                    return [a[...] for a in accs]
-                outs = [pl.run_scoped(functools.partial(f, c=k_codes(v, p, cache), p=p),
-                                      *[plgpu.ACC((PLANE, NP), jnp.float32)] * ng)
-                        for p in range(planes)]
-            else:
-                def f(*accs):
-                    for p in range(planes):
-                        issue(accs[p * ng:(p + 1) * ng], k_codes(v, p, cache), p)
-                        if p and tuning.overlap:
-                            plgpu.wgmma_wait(2 * ng)
-                        elif not tuning.overlap:
-                            plgpu.wgmma_wait(0)
-                    plgpu.wgmma_wait(0)
-                    return [a[...] for a in accs]
-                flat = pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * (planes * ng))
-                outs = [flat[p * ng:(p + 1) * ng] for p in range(planes)]
-            if ng == 1:
-                return [o[0] for o in outs]
-            lo = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG) < G
-            return [jnp.where(lo, o[0], o[1]) for o in outs]
-
         def scores(v):
-            """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
-            if fold:
-                return scores_folded(v)
+            """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
+            bias of `fold_prep`)."""
+            if fold:  # code fields with their offsets against q * s_g of the plane's group
+                a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
+                b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
+            else:
+                a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
+                b_ref = lambda p, c: q_s.at[c].T
             if stage_smem:
                 def f(acc, p):
                     for c in range(KCH):
-                        kd_s[...] = k_tile(v, p, {}, c)
+                        kd_s[...] = a_tile(p, {}, c)
                         plgpu.commit_smem()
-                        plgpu.wgmma(acc, kd_s, q_s.at[c].T)
+                        plgpu.wgmma(acc, kd_s, b_ref(p, c))
                         plgpu.wgmma_wait(0)
                     return acc[...]
                 return [pl.run_scoped(functools.partial(f, p=p),
@@ -669,7 +658,7 @@ def _make_kernel(
                 for c in range(KCH):
                     cache = {}
                     for p in range(planes):
-                        plgpu.wgmma(accs[p], k_tile(v, p, cache, c), q_s.at[c].T)
+                        plgpu.wgmma(accs[p], a_tile(p, cache, c), b_ref(p, c))
                         if not first and tuning.overlap:
                             plgpu.wgmma_wait(1)
                         elif not tuning.overlap:
@@ -693,11 +682,11 @@ def _make_kernel(
 
         def sub_step(refs, tok0, u, carry):
             v = views(refs, u)
-            if fold:
-                fold_prep(v)
+            kbias = fold_prep(v) if fold else None
             m_run, l_t, accs, zaccs = carry
             rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-            st = [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
+            st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
+                            -jnp.inf)
                   for p, x in enumerate(scores(v))]
             tmax = st[0]
             for x in st[1:]:
@@ -868,9 +857,7 @@ def _make_kernel(
         scratch += [
             plgpu.SMEM((mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied), f32
             plgpu.SMEM((NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
-            plgpu.SMEM((NGS, NP, PLANE), f16, transforms=_swz(f16, PLANE)),  # q * z_g, summed
             plgpu.Barrier(),
-            plgpu.SMEM((PLANE, PLANE), f16, transforms=_swz(f16, PLANE)),  # ones
         ]
     return plgpu.kernel(
         kivi_decode_sm90,
@@ -974,12 +961,12 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
     extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
-             if tuning.fold_k else ())
+             if _folds_keys(tuning, group_size) else ())
     qf = qf.astype(_MMA_DTYPE)
     if _uses_widen8(tuning, interpret, alt_layout):  # key tile channels in the _PERM16 order
         qf = permute_contraction(qf)
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
-    kch = _key_chunks(tuning, D)
+    kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])

@@ -156,9 +156,8 @@ def test_reference_matches_plain_attention(case):
     compare(ro, rlse, po, plse, 1e-5)
 
 
-# TuningConfig flags: small shapes, each flag in the interpreter (fold_k: G = 32 with two
-# wgmmas per tile, 4-bit with one group per sub-step; fold_v on and off at G = D;
-# reload_codes; D = 64) and
+# TuningConfig flags: small shapes, each flag in the interpreter (fold_k and fold_v on and off
+# at G = D, fold_k with one and with two groups per sub-step; reload_codes; D = 64) and
 # cross-lowered for sm_90 (lean_values changes only the wgmma waits of the production
 # variant, which the SMEM-staged interpreter variant does not have: cross-lowering only).
 FLAG_CASES = [
@@ -167,6 +166,8 @@ FLAG_CASES = [
     (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2, fold_k=True)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TC(256, 1, 2, fold_v=False)),
+    (2, 4, 2, 128, 256, 2, 2, 128, jnp.bfloat16, (256, 100), 0,
+     TC(256, 1, 2, fold_k=False, fold_v=False)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TC(256, 1, 2, reload_codes=True, lean_values=True)),
     # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
@@ -219,8 +220,8 @@ def test_native_only_paths_are_gated():
     assert kd._uses_widen8(d, False)
     assert not kd._uses_widen8(d, plgpu.InterpretGPUParams())
     assert kd._uses_widen8(d, False, alt_layout=True)
-    for flags in (dict(fold_k=True), dict(p_direct=True), dict(p_concat=True),
-                  dict(k_chunks=2), dict(widen8=False)):
+    for flags in (dict(p_direct=True), dict(p_concat=True), dict(k_chunks=2),
+                  dict(widen8=False)):
         assert not kd._uses_widen8(TC(**flags), False), flags
 
 
@@ -233,6 +234,15 @@ def test_value_fold_gating():
     assert not kd._folds_values(TC(p_direct=True), 128, 128)
     assert not kd._folds_values(TC(p_concat=True), 128, 128)
     assert kd._uses_widen8(TC(fold_v=True), False)
+
+
+def test_key_fold_gating():
+    """The key scale folds into q where a 256-token sub-step holds at most two groups."""
+    assert kd._folds_keys(TC(), 128) and not kd._folds_keys(TC(), 64)
+    assert not kd._folds_keys(TC(), 32) and not kd._folds_keys(TC(fold_k=False), 128)
+    assert kd._key_chunks(TC(k_chunks=2), 128, 128) == 1
+    assert kd._key_chunks(TC(k_chunks=2), 128, 32) == 2
+    assert kd._uses_widen8(TC(fold_k=True), False)
 
 
 def test_interpret_true_means_gpu_interpreter():
@@ -301,8 +311,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(256, 4, 2, warp_groups=False)),
-    # G = D with the value scale applied to the codes (fold_v off) instead of folded into P.
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_v=False)),
+    # G = D with the scales applied to the codes (fold_k, fold_v off) instead of folded.
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_k=False, fold_v=False)),
 ]
 
 
