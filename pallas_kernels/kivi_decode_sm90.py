@@ -28,7 +28,8 @@ the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update.
 
-Folded scales (`fold_k` at G >= 128, `fold_v` at G = D; on by default, runs 13-14): where the
+Folded scales (`fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in: measured slower,
+docs/performance.md runs 13-14): where the
 group structure leaves few distinct scale vectors per sub-step, the scale goes into the other
 operand instead of into every element: keys, B = fp16(q * s_g) per token group (at most two
 per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
@@ -91,9 +92,11 @@ class TuningConfig:
       pipeline, "values" drops the value product, "loads" computes every step on one of the
       split's first two blocks (the copies then hit L2: the compute floor).
     fold_k: fold the key scale into q per token group where a 256-token sub-step holds at
-      most two groups (G >= 128; on by default, ignored otherwise): B = fp16(q * s_g) per group
+      most two groups (G >= 128; opt-in, ignored otherwise): B = fp16(q * s_g) per group
       (`fold_prep`), key code fields enter wgmma with their offset (one and per element pair),
       and q . z_g - offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j.
+      Correct on the H200 but slower there (run 14, B=8, T=128k: 2-bit G=128 0.349 -> 0.400
+      ms, 4-bit 0.380 -> 0.426; ptxas at the 255-register cap), so off by default.
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
@@ -129,7 +132,7 @@ class TuningConfig:
     p_direct: bool = False
     p_concat: bool = False
     skip: str = ""
-    fold_k: bool = True
+    fold_k: bool = False
     reload_codes: bool = False
     lean_values: bool = False
     fold_v: bool = True

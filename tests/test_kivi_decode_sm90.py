@@ -167,7 +167,7 @@ FLAG_CASES = [
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TC(256, 1, 2, fold_v=False)),
     (2, 4, 2, 128, 256, 2, 2, 128, jnp.bfloat16, (256, 100), 0,
-     TC(256, 1, 2, fold_k=False, fold_v=False)),
+     TC(256, 1, 2, fold_k=True, fold_v=False)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TC(256, 1, 2, reload_codes=True, lean_values=True)),
     # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
@@ -238,9 +238,10 @@ def test_value_fold_gating():
 
 def test_key_fold_gating():
     """The key scale folds into q where a 256-token sub-step holds at most two groups."""
-    assert kd._folds_keys(TC(), 128) and not kd._folds_keys(TC(), 64)
-    assert not kd._folds_keys(TC(), 32) and not kd._folds_keys(TC(fold_k=False), 128)
-    assert kd._key_chunks(TC(k_chunks=2), 128, 128) == 1
+    on = TC(fold_k=True)
+    assert kd._folds_keys(on, 128) and not kd._folds_keys(on, 64)
+    assert not kd._folds_keys(on, 32) and not kd._folds_keys(TC(), 128)  # opt-in
+    assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 128) == 1
     assert kd._key_chunks(TC(k_chunks=2), 128, 32) == 2
     assert kd._uses_widen8(TC(fold_k=True), False)
 
@@ -311,8 +312,9 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(256, 4, 2, warp_groups=False)),
-    # G = D with the scales applied to the codes (fold_k, fold_v off) instead of folded.
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_k=False, fold_v=False)),
+    # G = D with the scales applied to the codes (fold_v off) / key scale folded (fold_k).
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_v=False)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True)),
 ]
 
 
