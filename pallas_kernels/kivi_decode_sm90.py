@@ -17,7 +17,8 @@ fragment layout and widened by one `prmt` per fp16 pair that also sets the five 
 (`_widen8`); a code field is then an fp16 value by the magic-number trick (and-ing the field's
 mask plus the exponent of 2^(10 - bits*j), whose unit in the last place is then exactly 1),
 one exact subtraction, and one multiply-add with the group's scale and minimum: three
-instructions per fp16 pair and plane (SASS, docs/performance.md runs 8-9). The 8-bit fragment
+instructions per fp16 pair and plane (SASS, docs/performance.md runs 8-9); with the value scale
+folded into P (G = D, below) the value fields take the `and` alone. The 8-bit fragment
 delivers the columns of every 16-block in the `_PERM16` order, so both contraction axes are
 permuted consistently: q's channels outside the kernel, P's tokens by the store that makes it
 the B operand, scale vectors by their loads. G = 32 tiles hold two groups: each warp loads the
