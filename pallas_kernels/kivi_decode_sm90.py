@@ -104,7 +104,7 @@ class TuningConfig:
     fold_v: fold the value scale into P per token where a token has one channel group (G = D;
       on by default, ignored otherwise): a value code field enters wgmma as the fp16
       number 2^(10 - bits*j) + code (one and per element pair, no subtraction, no fma), B is
-      P * s_t per group (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
+      P * s_t (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
       subtracted from the accumulator after every sub-step (so it never grows across steps)
       and the minimums' sum_t P * z_t is accumulated elementwise in f32 and added at the end.
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
@@ -208,8 +208,6 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     if _folds_keys(tuning, G):  # q * s_g per group of a sub-step, q^T in f32
         ngs = min(tuning.sub_tokens, TS) // G
         fold = ngs * padded_heads * D * 2 + D * padded_heads * 4
-    if _folds_values(tuning, G, D):  # P * s_t per plane and channel group instead of P
-        fold += 2 * min(tuning.sub_tokens, TS) * padded_heads * (D // G - 1)
     return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
 
 
@@ -478,8 +476,6 @@ def _make_kernel(
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
     fv = _folds_values(tuning, G, D)
-    DG = D // G  # value channel groups
-    vgroup = lambda m: m * PLANE // G  # channel group of 64-channel tile m (fv: G >= 64)
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret, alt_layout)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -618,11 +614,6 @@ def _make_kernel(
                 x = cache[r]
             return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
 
-        def vgroups(m):
-            """Value channel groups of channel tile m: one, or two for G = 32."""
-            g0 = m * PLANE // G
-            return [g0] if G >= PLANE else [g0 + i for i in range(PLANE // G)]
-
         def v_raw(v, p, m, cache):
             """fv: V^T code fields of plane p, channel tile m, with their offset: (64, 64)."""
             return v_codes(v, p, m, cache, raw=True)
@@ -711,21 +702,20 @@ def _make_kernel(
                 corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
             # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
             # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
-            # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t of
-            # each channel group, stored by _fold_values.
-            if fv:
-                pb = lambda p, m: p_s.at[p * DG + vgroup(m)].T
-            elif tuning.p_direct:
+            # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
+            # stored by _fold_values.
+            if tuning.p_direct:
                 for p in range(planes):
                     p_s[p] = ps[p].astype(f16)
-                pb = lambda p, m: p_s.at[p]
+                pb = lambda p: p_s.at[p]
             elif tuning.p_concat:
                 p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
-                pb = lambda p, m: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
+                pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
             else:
-                for p in range(planes):
-                    _store_p(ps[p].astype(f16), p)
-                pb = lambda p, m: p_s.at[p].T
+                if not fv:
+                    for p in range(planes):
+                        _store_p(ps[p].astype(f16), p)
+                pb = lambda p: p_s.at[p].T
             plgpu.commit_smem()
             vt = v_raw if fv else v_tile
             cache = {}
@@ -737,7 +727,7 @@ def _make_kernel(
                         for p in range(planes):
                             vd_s[...] = vt(v, p, mt, cache)
                             plgpu.commit_smem()
-                            plgpu.wgmma(acc, vd_s, pb(p, mt))
+                            plgpu.wgmma(acc, vd_s, pb(p))
                             plgpu.wgmma_wait(0)
                         return acc[...]
                     new.append(accs[mt] + pl.run_scoped(pv, plgpu.ACC((PLANE, NP), jnp.float32)))
@@ -746,7 +736,7 @@ def _make_kernel(
                 def pv(acc_refs):
                     for p in range(planes):
                         for mt in range(mtiles):
-                            plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p, mt))
+                            plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p))
                             if tuning.lean_values:
                                 plgpu.wgmma_wait(1)
                         if tuning.lean_values:
@@ -758,7 +748,7 @@ def _make_kernel(
                     plgpu.wgmma_wait(0)
                 accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
             if corr is not None:  # the code fields' offsets, subtracted every sub-step
-                accs = tuple(a + corr[vgroup(m)] for m, a in enumerate(accs))
+                accs = tuple(a + corr for a in accs)
             return m_new, l_t, accs, zaccs
 
         def _store_p(x16, idx):
@@ -770,33 +760,30 @@ def _make_kernel(
                 p_s.at[idx].T[...] = plgpu.layout_cast(x16, _WGT)
 
         def _fold_values(v, ps, zaccs):
-            """fv: stores P * s_t (fp16) of every plane and channel group as the B operand and
-            returns (corr, zaccs): corr[g] the (64, N) broadcast of
+            """fv (one channel group per token): stores P * s_t (fp16) of every plane as the B
+            operand and returns (corr, zaccs): corr the (64, N) broadcast of
             -sum_t offset_j * fp16(P * s_t) (the offsets the raw code fields carry into the
-            product; from the rounded values wgmma sees, so they cancel exactly up to the f32
-            sums), zaccs[g] += P * z_t elementwise (the minimums' term, reduced at the end)."""
-            zaccs = list(zaccs)
-            coff = [None] * DG
+            product, from the rounded values wgmma sees, so they cancel up to the f32 sums),
+            zaccs[0] += P * z_t elementwise (the minimums' term, reduced at the end)."""
+            (zacc,) = zaccs
+            coff = None
             for p in range(planes):
-                off = _field_offset(value_bits, p % Pv)
-                for g in range(DG):
-                    sv = plgpu.load(v["vscale"](p)(g), (), layout=_WG.reduce(1))
-                    zv = plgpu.load(v["vmin"](p)(g), (), layout=_WG.reduce(1))
-                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
-                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                    pp = (ps[p] * sb).astype(f16)
-                    _store_p(pp, p * DG + g)
-                    c = pp.astype(jnp.float32) * -off
-                    coff[g] = c if coff[g] is None else coff[g] + c
-                    zaccs[g] = zaccs[g] + ps[p] * zb
-            corr = [lax.broadcast_in_dim(c.sum(axis=0), (PLANE, NP), [1]) for c in coff]
-            return corr, tuple(zaccs)
+                sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
+                zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
+                sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                pp = (ps[p] * sb).astype(f16)
+                _store_p(pp, p)
+                c = pp.astype(jnp.float32) * -_field_offset(value_bits, p % Pv)
+                coff = c if coff is None else coff + c
+                zacc = zacc + ps[p] * zb
+            return lax.broadcast_in_dim(coff.sum(axis=0), (PLANE, NP), [1]), (zacc,)
 
         m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
         l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
         zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
         a0 = tuple(zero() for _ in range(mtiles))
-        z0 = tuple(zero() for _ in range(DG if fv else 0))  # fv: sum_t P * z_t per group
+        z0 = (zero(),) if fv else ()  # fv: sum_t P * z_t
         kc_rows, g_rows = TS // Pk, TS // G
         v_cols = TS // Pv
         ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
@@ -832,9 +819,9 @@ def _make_kernel(
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
         ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
-        if fv:  # the minimums' term of each channel group
-            zs = [lax.broadcast_in_dim(z.sum(axis=0), (PLANE, NP), [1]) for z in zaccs]
-            accs = [a + zs[vgroup(m)] for m, a in enumerate(accs)]
+        if fv:  # the minimums' term
+            zs = lax.broadcast_in_dim(zaccs[0].sum(axis=0), (PLANE, NP), [1])
+            accs = [a + zs for a in accs]
         for mt in range(mtiles):
             o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
         lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
@@ -847,8 +834,7 @@ def _make_kernel(
         plgpu.SMEM((KCH, NP, DC), f16, transforms=_swz(f16, DC)),
         (plgpu.SMEM((planes, PLANE, NP), f16, transforms=_swz(f16, NP)) if tuning.p_direct else
          plgpu.SMEM((NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat else
-         plgpu.SMEM((planes * (DG if fv else 1), NP, PLANE), f16,
-                    transforms=_swz(f16, PLANE))),
+         plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
         plgpu.SMEM((D, NP), jnp.float32),
         plgpu.SMEM((NP,), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
