@@ -107,6 +107,8 @@ class TuningConfig:
       P * s_t (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
       subtracted from the accumulator after every sub-step (so it never grows across steps)
       and the minimums' sum_t P * z_t is accumulated elementwise in f32 and added at the end.
+      Costs precision: at 2 bits the output error against the f32 twin grows from ~4e-5 to
+      ~6e-4 of max |o| (independent of the context length; docs/performance.md run 16).
     lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
       is in flight (at most two dequantized V tiles live instead of 2 * D/64).
     k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma; D = 64
