@@ -50,6 +50,13 @@ def ablations(kb, G, which="where"):
                 ("compute-only alt", r(skip="loads"), True),
                 ("alt", d, True), ("alt st3", r(stages=3), True),
                 ("alt 512", r(block_tokens=512), True)]
+    if which == "lean":  # fewer live registers: re-widened code bytes, folded key scale
+        return [("default", d, False), ("reload", r(reload_codes=True), False),
+                ("fold_k", r(fold_k=True), False),
+                ("fold_k reload", r(fold_k=True, reload_codes=True), False),
+                ("fold_k reload lean", r(fold_k=True, reload_codes=True, lean_values=True),
+                 False),
+                ("reload lean", r(reload_codes=True, lean_values=True), False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -98,7 +105,8 @@ def main():
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
-                    help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold")
+                    help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
+                    "| lean")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

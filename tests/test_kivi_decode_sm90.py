@@ -317,6 +317,8 @@ GPU_CASES = [  # larger shapes, native production variant
     # G = D with the scales applied to the codes (fold_v off) / key scale folded (fold_k).
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_v=False)),
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, reload_codes=True, lean_values=True)),
 ]
 
 
