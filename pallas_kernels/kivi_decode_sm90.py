@@ -276,23 +276,20 @@ def _field_offset(bits: int, j: int) -> float:
 
 def _field_raw(y16, bits: int, j: int):
     """Code field j of bytes widened by `_widen_codes` as the fp16 number
-    `_field_offset(bits, j) + code` (exact): one and, the offset left to the caller."""
+    `_field_offset(bits, j) + code` (exact): one and, the offset left to the caller.
+
+    Keeping the field (bits [bits*j, bits*(j+1))) and the exponent bits of 2^(10 - bits*j)
+    makes the field's lowest bit weigh exactly 1.
+    """
     mask = ((1 << bits) - 1) << (bits * j)
     magic = (25 - bits * j) << 10  # fp16 bit pattern of the offset (a subset of _EXP_BITS)
     return lax.bitcast_convert_type(y16 & jnp.uint16(mask | magic), jnp.float16)
 
 
 def _field_to_f16(y16, bits: int, j: int):
-    """Code field j of bytes widened by `_widen_codes` as exact fp16 integers.
-
-    Keeping the field (bits [bits*j, bits*(j+1))) and the exponent bits of 2^(10 - bits*j)
-    gives 2^(10 - bits*j) + code exactly: the field's lowest bit then has weight 1.
-    """
-    mask = ((1 << bits) - 1) << (bits * j)
-    off = float(2 ** (10 - bits * j))
-    magic = (25 - bits * j) << 10  # fp16 bit pattern of `off` (a subset of _EXP_BITS)
-    h = lax.bitcast_convert_type(y16 & jnp.uint16(mask | magic), jnp.float16)
-    return h - jnp.float16(off)
+    """Code field j of bytes widened by `_widen_codes` as exact fp16 integers: `_field_raw`
+    less its offset (an exact subtraction)."""
+    return _field_raw(y16, bits, j) - jnp.float16(_field_offset(bits, j))
 
 
 # Permuted contraction order of the widen8 path: within each 16-wide block, position p of the
@@ -616,10 +613,6 @@ def _make_kernel(
                 x = cache[r]
             return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
 
-        def v_raw(v, p, m, cache):
-            """fv: V^T code fields of plane p, channel tile m, with their offset: (64, 64)."""
-            return v_codes(v, p, m, cache, raw=True)
-
         def v_tile(v, p, m, cache):
             """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
             c = v_codes(v, p, m, cache)
@@ -719,7 +712,7 @@ def _make_kernel(
                         _store_p(ps[p].astype(f16), p)
                 pb = lambda p: p_s.at[p].T
             plgpu.commit_smem()
-            vt = v_raw if fv else v_tile
+            vt = functools.partial(v_codes, raw=True) if fv else v_tile
             cache = {}
             if stage_smem:
                 new = []
