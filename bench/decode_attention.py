@@ -359,7 +359,11 @@ class PtxasLog:
             self.seen.add(f)
             if f.endswith(".ptxas"):
                 with open(os.path.join(self.path, f), errors="replace") as fh:
-                    regs += [int(x) for x in re.findall(r"Used (\d+) registers", fh.read())]
+                    text = fh.read()
+                spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", text)]
+                for i, x in enumerate(re.findall(r"Used (\d+) registers", text)):
+                    sp = spills[i] if i < len(spills) else 0
+                    regs.append(int(x) if not sp else f"{x} ({sp} B spilled)")
         return regs
 
 

@@ -57,6 +57,18 @@ def ablations(kb, G, which="where"):
                 ("fold_k reload lean", r(fold_k=True, reload_codes=True, lean_values=True),
                  False),
                 ("reload lean", r(reload_codes=True, lean_values=True), False)]
+    if which == "wg":  # warpgroups per block (ptxas's register cap: W = 3 -> 168)
+        rows = [("default", d, False)]
+        for W in (3,):
+            dw = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                                  wg_per_block=W)
+            rows.append((f"W{W} S{dw.num_splits}", dw, False))
+            for S in (6, 12):
+                if S != dw.num_splits and W == 3:
+                    rows.append((f"W{W} S{S}", dataclasses.replace(dw, num_splits=S), False))
+        rows.append(("W3 st3", dataclasses.replace(rows[1][1], stages=3), False))
+        rows.append(("W3 compute-only", dataclasses.replace(rows[1][1], skip="loads"), False))
+        return rows
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -106,7 +118,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean")
+                    "| lean | wg")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

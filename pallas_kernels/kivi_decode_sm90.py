@@ -124,6 +124,12 @@ class TuningConfig:
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
       SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
+    wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
+      own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
+      The point is the register cap: ptxas fits a block of W warpgroups in the register file
+      (W = 3: 168 registers per thread, against 235 unconstrained), so an SM holds W
+      warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
+      through `plgpu.emit_pipeline`.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -143,6 +149,7 @@ class TuningConfig:
     sub_tokens: int = 256
     warp_groups: bool = True
     widen8: bool = True
+    wg_per_block: int = 1
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -158,6 +165,8 @@ class TuningConfig:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if not 1 <= self.stages <= 8:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
+        if not 1 <= self.wg_per_block <= 4:
+            raise ValueError(f"wg_per_block must be in [1, 4], got {self.wg_per_block}")
         if self.skip not in ("", "compute", "values", "loads"):
             raise ValueError(
                 f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
@@ -210,13 +219,16 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     if _folds_keys(tuning, G):  # q * s_g per group of a sub-step, q^T in f32
         ngs = min(tuning.sub_tokens, TS) // G
         fold = ngs * padded_heads * D * 2 + D * padded_heads * 4
-    return tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + 4096 + fold
+    W = tuning.wg_per_block
+    red = _RED_SCRATCH * 4 if W > 1 else 0  # per-warpgroup reduction scratch (f32)
+    per_wg = tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + fold + red
+    return W * per_wg + 4096
 
 
 def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
-    block_tokens: int | None = None, stages: int = 2,
+    block_tokens: int | None = None, stages: int = 2, wg_per_block: int = 1,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -228,7 +240,9 @@ def choose_tuning(
     than 256 (v2 0.80 vs 0.72 ms, v3 0.66 vs 0.555 ms); 4-bit: 256-token steps 0.755 ms vs
     128-token 0.83 ms. Rechecked with the run-9 kernel (docs/performance.md run 11): 3 stages,
     512-token copies and S=6/12 no faster at 2/4-bit G=128 and 2-bit G=32.
-    `block_tokens`/`stages` override the defaults.
+    `block_tokens`/`stages`/`wg_per_block` override the defaults; with W warpgroups per block
+    an SM runs one block (the register file holds W warpgroups at ptxas's cap), so W splits
+    are in flight per SM.
     """
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
@@ -236,12 +250,19 @@ def choose_tuning(
     if max_tokens % blk:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
-    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages)
-    smem = smem_bytes(base, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                      head_dim=head_dim, padded_heads=8)
-    # 219-243 registers per thread (ptxas, run 5) allow 2 blocks of 128 threads per SM.
-    per_sm = max(1, min(2, (227 * 1024) // smem))
-    slots = num_sms * per_sm
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages,
+                        wg_per_block=wg_per_block)
+    size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
+                             group_size=group_size, head_dim=head_dim, padded_heads=8)
+    floor = max(_min_block(key_bits, value_bits), group_size, 128)
+    while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
+        base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
+    steps = max_tokens // base.block_tokens
+    smem = size(base)
+    if wg_per_block > 1:  # one block per SM, W splits in it
+        slots = num_sms * wg_per_block
+    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM
+        slots = num_sms * max(1, min(2, (227 * 1024) // smem))
     bh = batch * kv_heads
     costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
     best = min(costs.values())
@@ -257,6 +278,7 @@ def _swz(dtype, minor_elems):
 
 
 _EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
+_RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
 
 
 def _widen_codes(x8):
@@ -426,6 +448,46 @@ def _store_p_perm(p16, dst, col0: int = 0):
     store(p16, dst)
 
 
+def _wg_reduce(x, kind: str, scratch_ref):
+    """x (64, N) f32 in the WGMMA layout reduced over its rows ("add" or "max") -> (N,) in the
+    reduce(0) layout, the cross-warp step going through `scratch_ref`, this warpgroup's own
+    f32 SMEM scratch. (Mosaic's reductions use one scratch region per block: two warpgroups
+    of a block reducing at once would race on it.) Not interpretable (inline Mosaic GPU)."""
+    N = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
+    def reduce(_, xa, ref):
+        return xa.reduce(kind, 0, scratch=ref)
+
+    return reduce(x, scratch_ref)
+
+
+def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry):
+    """`plgpu.emit_pipeline` for one warpgroup of a block of several, each with its own
+    buffers: steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
+    go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
+    *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step: the
+    copy's own warpgroup barrier (Mosaic's auto barriers) orders it after every read."""
+    def fetch(i, slot):
+        for spec, src, buf in zip(specs, srcs, bufs, strict=True):
+            at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
+                                                          strict=True))
+            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
+
+    for k in range(stages):
+        pl.when(k < nsteps)(functools.partial(fetch, k, k))
+
+    def body(i, carry):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(barrier.at[wg * stages + slot])
+        carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
+        pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot))
+        return carry
+
+    return lax.fori_loop(0, nsteps, body, carry)
+
+
 def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
                 per_warp: bool = False, perm: bool = False):
     """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
@@ -485,6 +547,28 @@ def _make_kernel(
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
     extra_names = (["qt_s", "bq_s", "bar2"] if fold else [])
+    W = tuning.wg_per_block
+
+    # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
+    kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
+    ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
+    # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
+    vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
+    u8 = jnp.uint8
+    if not alt_layout:
+        pipe_blocks = [
+            ((kc_rows, D), u8, ktf, 0), ((g_rows, D), f16, (), 0), ((g_rows, D), f16, (), 0),
+            ((D, v_cols), u8, vtf, 1),
+            # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
+            ((D // G, TS // VCH, VCH), f16, (), 1), ((D // G, TS // VCH, VCH), f16, (), 1)]
+    else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
+        pipe_blocks = [
+            ((kc_rows, D), u8, ktf, 0), ((g_rows, 2, D), f16, (), 0),
+            ((v_cols // PLANE, D, PLANE), u8, (), 0), ((D // G, TS // VCH, 2, VCH), f16, (), 1)]
+
+    def block_index(ndim, axis, blk, i):
+        """Block indices of step i: `blk(i)` on `axis`, 0 elsewhere."""
+        return tuple(blk(i) if d == axis else 0 for d in range(ndim))
 
     n_in = 4 if alt_layout else 6
 
@@ -492,364 +576,390 @@ def _make_kernel(
         if fold:
             qt_g, *refs = refs
         gmem = refs[:n_in]
-        o_g, lse_g, q_s, p_s, o_s, lse_s, kd_s, vd_s, bar, *extra = refs[n_in:]
-        ex = dict(zip(extra_names, extra, strict=True))
-        b = lax.axis_index("b")
-        h = lax.axis_index("h")
-        s = lax.axis_index("s")
-        layer = meta_g[0]
-        n = jnp.minimum(meta_g[1 + b], Tq)
-        first = s * steps_per_split
-        start = first * TS
-        nsteps = jnp.clip(
-            lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
-            jnp.minimum(steps_per_split, total_steps - first))
+        o_g, lse_g, *scratch_refs = refs[n_in:]
+        sc = dict(zip(scratch_names, scratch_refs, strict=True))
 
-        plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
-        plgpu.barrier_wait(bar)
-        if fold:  # q^T in f32, loop-invariant registers: (64 channels, N) per channel tile
-            qt_s, bq_s, bar2 = ex["qt_s"], ex["bq_s"], ex["bar2"]
-            plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
-            plgpu.barrier_wait(bar2)
-            qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+        def unit(wg, b, h, s):
+            # This warpgroup's own SMEM (W > 1: every scratch buffer has a leading wg axis).
+            own = (lambda k: sc[k].at[wg]) if W > 1 else sc.__getitem__
+            q_s, p_s, o_s, lse_s, kd_s, vd_s, bar = (
+                own(k) for k in ("q_s", "p_s", "o_s", "lse_s", "kd_s", "vd_s", "bar"))
+            ex = {k: own(k) for k in extra_names}
 
-        def fold_prep(v):
-            """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
-            w8) for every key group g of the sub-step and returns, per plane p (group g, field
-            j), the (64, N) broadcast of q . z_g - offset_j * sum_c bq_s[g][:, c]: the bias that
-            turns codes-with-offsets . bq_s[g] into q . k. The sums are over the rounded fp16
-            values wgmma reads, so the offsets cancel up to f32 rounding."""
-            us, ws = [], []
-            for g in range(NGS):
-                u = w = None
-                tiles = []
-                for mt in range(mtiles):
-                    cols = pl.ds(mt * PLANE, PLANE)
-                    sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
-                    zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
-                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
-                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                    qs = (qt[mt] * sb).astype(f16)
-                    if w8:
-                        _store_p_perm(qs, bq_s.at[g], col0=mt * PLANE)
-                    else:
-                        tiles.append(qs)
-                    uu, ww = qs.astype(jnp.float32), qt[mt] * zb
-                    u = uu if u is None else u + uu
-                    w = ww if w is None else w + ww
-                if not w8:
-                    t = tiles[0] if mtiles == 1 else jnp.concatenate(tiles, axis=0)
-                    bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
-                us.append(u.sum(axis=0))
-                ws.append(w.sum(axis=0))
-            plgpu.commit_smem()
-            out = []
-            for p in range(planes):
-                g, off = p * PLANE // G, _field_offset(key_bits, p % Pk)
-                out.append(lax.broadcast_in_dim(ws[g] - off * us[g], (PLANE, NP), [1]))
-            return out
+            def red(x, kind):
+                """x (64, N) reduced over its rows ("add" / "max"): per-warpgroup scratch when
+                several warpgroups share the block (`_wg_reduce`)."""
+                if W > 1 and not interpret:
+                    return _wg_reduce(x, kind, sc["red_s"].at[wg])
+                return x.max(axis=0) if kind == "max" else x.sum(axis=0)
 
-        def views(refs, u):
-            """Accessors of sub-step u of one step's SMEM buffers (documented or alt layout). Scale
-            and minimum accessors take a group g (one vector) or (g, n): the rows of n groups."""
-            grows = lambda g, n: g if n == 0 else pl.ds(g, n)
-            kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
-            vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
-            voff = lambda p: (u * SUB + p * PLANE) % VCH
-            if not alt_layout:
-                kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
+            layer = meta_g[0]
+            n = jnp.minimum(meta_g[1 + b], Tq)
+            first = s * steps_per_split
+            start = first * TS
+            nsteps = jnp.clip(
+                lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
+                jnp.minimum(steps_per_split, total_steps - first))
+
+            plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+            plgpu.barrier_wait(bar)
+            if fold:  # q^T in f32, loop-invariant registers: (64 channels, N) per channel tile
+                qt_s, bq_s, bar2 = ex["qt_s"], ex["bq_s"], ex["bar2"]
+                plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
+                plgpu.barrier_wait(bar2)
+                qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+
+            def fold_prep(v):
+                """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
+                w8) for every key group g of the sub-step and returns, per plane p (group g, field
+                j), the (64, N) broadcast of q . z_g - offset_j * sum_c bq_s[g][:, c]: the bias that
+                turns codes-with-offsets . bq_s[g] into q . k. The sums are over the rounded fp16
+                values wgmma reads, so the offsets cancel up to f32 rounding."""
+                us, ws = [], []
+                for g in range(NGS):
+                    u = w = None
+                    tiles = []
+                    for mt in range(mtiles):
+                        cols = pl.ds(mt * PLANE, PLANE)
+                        sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
+                        zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
+                        sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                        zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                        qs = (qt[mt] * sb).astype(f16)
+                        if w8:
+                            _store_p_perm(qs, bq_s.at[g], col0=mt * PLANE)
+                        else:
+                            tiles.append(qs)
+                        uu, ww = qs.astype(jnp.float32), qt[mt] * zb
+                        u = uu if u is None else u + uu
+                        w = ww if w is None else w + ww
+                    if not w8:
+                        t = tiles[0] if mtiles == 1 else jnp.concatenate(tiles, axis=0)
+                        bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
+                    us.append(red(u, "add"))
+                    ws.append(red(w, "add"))
+                plgpu.commit_smem()
+                out = []
+                for p in range(planes):
+                    g, off = p * PLANE // G, _field_offset(key_bits, p % Pk)
+                    out.append(lax.broadcast_in_dim(ws[g] - off * us[g], (PLANE, NP), [1]))
+                return out
+
+            def views(refs, u):
+                """Accessors of sub-step u of one step's SMEM buffers (documented or alt
+                layout). Scale and minimum accessors take a group g (one vector) or (g, n): the
+                rows of n groups."""
+                grows = lambda g, n: g if n == 0 else pl.ds(g, n)
+                kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
+                vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
+                voff = lambda p: (u * SUB + p * PLANE) % VCH
+                if not alt_layout:
+                    kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
+                    return dict(
+                        kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE),
+                                                    pl.ds(c * DC, DC)],
+                        kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
+                        kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
+                        vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
+                                                    pl.ds(vcol + r * PLANE, PLANE)],
+                        vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
+                                                                 pl.ds(voff(p), PLANE)]),
+                        vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
+                                                               pl.ds(voff(p), PLANE)]))
+                kc_s, ksz_s, vc_s, vsz_s = refs
+                vb = u * (SUB // (PLANE * Pv))
                 return dict(
                     kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
-                    kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
-                    kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
-                    vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
-                                                pl.ds(vcol + r * PLANE, PLANE)],
-                    vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
-                                                             pl.ds(voff(p), PLANE)]),
-                    vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
-                                                           pl.ds(voff(p), PLANE)]))
-            kc_s, ksz_s, vc_s, vsz_s = refs
-            vb = u * (SUB // (PLANE * Pv))
-            return dict(
-                kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
-                kscale=lambda g, n=0: ksz_s.at[grows(kg + g, n), 0],
-                kmin=lambda g, n=0: ksz_s.at[grows(kg + g, n), 1],
-                vcodes=lambda r, m: vc_s.at[vb + r, pl.ds(m * PLANE, PLANE), :],
-                vscale=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 0,
-                                                          pl.ds(voff(p), PLANE)]),
-                vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
-                                                        pl.ds(voff(p), PLANE)]))
+                    kscale=lambda g, n=0: ksz_s.at[grows(kg + g, n), 0],
+                    kmin=lambda g, n=0: ksz_s.at[grows(kg + g, n), 1],
+                    vcodes=lambda r, m: vc_s.at[vb + r, pl.ds(m * PLANE, PLANE), :],
+                    vscale=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 0,
+                                                              pl.ds(voff(p), PLANE)]),
+                    vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
+                                                            pl.ds(voff(p), PLANE)]))
 
-        def k_codes(v, p, cache, c=0, raw=False):
-            """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
-            (64 tokens, DC) (raw: plus the field's offset, `_field_raw`)."""
-            r = p // Pk
-            if reload:
-                x = widen_k(v["kcodes"](r, c))
-            else:
-                if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                    cache[r] = widen_k(v["kcodes"](r, c))
-                x = cache[r]
-            return (_field_raw if raw else _field_to_f16)(x, key_bits, p % Pk)
+            def k_codes(v, p, cache, c=0, raw=False):
+                """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
+                (64 tokens, DC) (raw: plus the field's offset, `_field_raw`)."""
+                r = p // Pk
+                if reload:
+                    x = widen_k(v["kcodes"](r, c))
+                else:
+                    if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                        cache[r] = widen_k(v["kcodes"](r, c))
+                    x = cache[r]
+                return (_field_raw if raw else _field_to_f16)(x, key_bits, p % Pk)
 
-        def k_tile(v, p, cache, c=0):
-            """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC) fp16."""
-            x = k_codes(v, p, cache, c)
-            cols = pl.ds(c * DC, DC)
-            at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
-            sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
-                                 cache, "k", per_warp, w8)
-            return x * sc + mn
+            def k_tile(v, p, cache, c=0):
+                """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC)
+                fp16."""
+                x = k_codes(v, p, cache, c)
+                cols = pl.ds(c * DC, DC)
+                at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
+                sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
+                                     cache, "k", per_warp, w8)
+                return x * sc + mn
 
-        def v_codes(v, p, m, cache, raw=False):
-            """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16 (raw:
-            plus the field's offset, `_field_raw`)."""
-            r = (p // Pv, m)
-            if reload:
-                x = widen_v(v["vcodes"](*r))
-            else:
-                if r not in cache:
-                    cache[r] = widen_v(v["vcodes"](*r))
-                x = cache[r]
-            return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
+            def v_codes(v, p, m, cache, raw=False):
+                """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16 (raw:
+                plus the field's offset, `_field_raw`)."""
+                r = (p // Pv, m)
+                if reload:
+                    x = widen_v(v["vcodes"](*r))
+                else:
+                    if r not in cache:
+                        cache[r] = widen_v(v["vcodes"](*r))
+                    x = cache[r]
+                return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
 
-        def v_tile(v, p, m, cache):
-            """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
-            c = v_codes(v, p, m, cache)
-            sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
-                                 cache, ("v", p), per_warp, w8)
-            return c * sc + mn
+            def v_tile(v, p, m, cache):
+                """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+                c = v_codes(v, p, m, cache)
+                sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
+                                     cache, ("v", p), per_warp, w8)
+                return c * sc + mn
 
-        def scores(v):
-            """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
-            bias of `fold_prep`)."""
-            if fold:  # code fields with their offsets against q * s_g of the plane's group
-                a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
-                b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
-            else:
-                a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
-                b_ref = lambda p, c: q_s.at[c].T
-            if stage_smem:
-                def f(acc, p):
-                    for c in range(KCH):
-                        kd_s[...] = a_tile(p, {}, c)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc, kd_s, b_ref(p, c))
-                        plgpu.wgmma_wait(0)
-                    return acc[...]
-                return [pl.run_scoped(functools.partial(f, p=p),
-                                      plgpu.ACC((PLANE, NP), jnp.float32))
-                        for p in range(planes)]
-
-            def f(*accs):
-                # Dequantize the next tile on the CUDA cores while the previous wgmma runs;
-                # head-dim chunks outermost so that one chunk's code bytes and vectors are live.
-                first = True
-                for c in range(KCH):
-                    cache = {}
-                    for p in range(planes):
-                        plgpu.wgmma(accs[p], a_tile(p, cache, c), b_ref(p, c))
-                        if not first and tuning.overlap:
-                            plgpu.wgmma_wait(1)
-                        elif not tuning.overlap:
-                            plgpu.wgmma_wait(0)
-                        first = False
-                plgpu.wgmma_wait(0)
-                return [a[...] for a in accs]
-            return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
-
-        def step(idx, *refs):
-            *refs, carry = refs
-            if tuning.skip == "compute":  # ablation: the TMA pipeline alone
-                return carry
-            (i,) = idx
-            if TS == SUB:
-                return sub_step(refs, start + i * TS, 0, carry)
-            # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
-            # size at one sub-step's.
-            return lax.fori_loop(
-                0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c), carry)
-
-        def sub_step(refs, tok0, u, carry):
-            v = views(refs, u)
-            kbias = fold_prep(v) if fold else None
-            m_run, l_t, accs, zaccs = carry
-            rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-            st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
-                            -jnp.inf)
-                  for p, x in enumerate(scores(v))]
-            tmax = st[0]
-            for x in st[1:]:
-                tmax = jnp.maximum(tmax, x)
-            m_new = jnp.maximum(m_run, tmax.max(axis=0))
-            alpha = jnp.exp(m_run - m_new)
-            mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
-            ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
-            ps = [jnp.exp(x - mb) for x in st]
-            l_t = l_t * ab
-            for x in ps:
-                l_t = l_t + x
-            accs = tuple(a * ab for a in accs)
-            if tuning.skip == "values":
-                return m_new, l_t, accs, zaccs
-            corr = None
-            if fv:
-                corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
-            # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
-            # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
-            # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
-            # stored by _fold_values.
-            if tuning.p_direct:
-                for p in range(planes):
-                    p_s[p] = ps[p].astype(f16)
-                pb = lambda p: p_s.at[p]
-            elif tuning.p_concat:
-                p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
-                pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
-            else:
-                if not fv:
-                    for p in range(planes):
-                        _store_p(ps[p].astype(f16), p)
-                pb = lambda p: p_s.at[p].T
-            plgpu.commit_smem()
-            vt = functools.partial(v_codes, raw=True) if fv else v_tile
-            cache = {}
-            if stage_smem:
-                new = []
-                for mt in range(mtiles):
-                    def pv(acc, mt=mt):
-                        cache = {}  # values loaded in one scope must not leak into another
-                        for p in range(planes):
-                            vd_s[...] = vt(v, p, mt, cache)
+            def scores(v):
+                """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
+                bias of `fold_prep`)."""
+                if fold:  # code fields with their offsets against q * s_g of the plane's group
+                    a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
+                    b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
+                else:
+                    a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
+                    b_ref = lambda p, c: q_s.at[c].T
+                if stage_smem:
+                    def f(acc, p):
+                        for c in range(KCH):
+                            kd_s[...] = a_tile(p, {}, c)
                             plgpu.commit_smem()
-                            plgpu.wgmma(acc, vd_s, pb(p))
+                            plgpu.wgmma(acc, kd_s, b_ref(p, c))
                             plgpu.wgmma_wait(0)
                         return acc[...]
-                    new.append(accs[mt] + pl.run_scoped(pv, plgpu.ACC((PLANE, NP), jnp.float32)))
-                accs = tuple(new)
-            else:
-                def pv(acc_refs):
-                    for p in range(planes):
-                        for mt in range(mtiles):
-                            plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p))
-                            if tuning.lean_values:
+                    return [pl.run_scoped(functools.partial(f, p=p),
+                                          plgpu.ACC((PLANE, NP), jnp.float32))
+                            for p in range(planes)]
+
+                def f(*accs):
+                    # Dequantize the next tile on the CUDA cores while the previous wgmma runs;
+                    # head-dim chunks outermost so that one chunk's code bytes and vectors are live.
+                    first = True
+                    for c in range(KCH):
+                        cache = {}
+                        for p in range(planes):
+                            plgpu.wgmma(accs[p], a_tile(p, cache, c), b_ref(p, c))
+                            if not first and tuning.overlap:
                                 plgpu.wgmma_wait(1)
-                        if tuning.lean_values:
-                            pass
-                        elif p and tuning.overlap:
-                            plgpu.wgmma_wait(mtiles)
-                        elif not tuning.overlap:
-                            plgpu.wgmma_wait(0)
+                            elif not tuning.overlap:
+                                plgpu.wgmma_wait(0)
+                            first = False
                     plgpu.wgmma_wait(0)
-                accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
-            if corr is not None:  # the code fields' offsets, subtracted every sub-step
-                accs = tuple(a + corr for a in accs)
-            return m_new, l_t, accs, zaccs
+                    return [a[...] for a in accs]
+                return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
 
-        def _store_p(x16, idx):
-            """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
-            widen8 order when w8)."""
-            if w8:
-                _store_p_perm(x16, p_s.at[idx])
+            def step(idx, *refs):
+                *refs, carry = refs
+                if tuning.skip == "compute":  # ablation: the TMA pipeline alone
+                    return carry
+                (i,) = idx
+                if TS == SUB:
+                    return sub_step(refs, start + i * TS, 0, carry)
+                # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
+                # size at one sub-step's.
+                return lax.fori_loop(
+                    0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c),
+                    carry)
+
+            def sub_step(refs, tok0, u, carry):
+                v = views(refs, u)
+                kbias = fold_prep(v) if fold else None
+                m_run, l_t, accs, zaccs = carry
+                rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
+                st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
+                                -jnp.inf)
+                      for p, x in enumerate(scores(v))]
+                tmax = st[0]
+                for x in st[1:]:
+                    tmax = jnp.maximum(tmax, x)
+                m_new = jnp.maximum(m_run, red(tmax, "max"))
+                alpha = jnp.exp(m_run - m_new)
+                mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
+                ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                ps = [jnp.exp(x - mb) for x in st]
+                l_t = l_t * ab
+                for x in ps:
+                    l_t = l_t + x
+                accs = tuple(a * ab for a in accs)
+                if tuning.skip == "values":
+                    return m_new, l_t, accs, zaccs
+                corr = None
+                if fv:
+                    corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
+                # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
+                # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
+                # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
+                # stored by _fold_values.
+                if tuning.p_direct:
+                    for p in range(planes):
+                        p_s[p] = ps[p].astype(f16)
+                    pb = lambda p: p_s.at[p]
+                elif tuning.p_concat:
+                    p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
+                    pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
+                else:
+                    if not fv:
+                        for p in range(planes):
+                            _store_p(ps[p].astype(f16), p)
+                    pb = lambda p: p_s.at[p].T
+                plgpu.commit_smem()
+                vt = functools.partial(v_codes, raw=True) if fv else v_tile
+                cache = {}
+                if stage_smem:
+                    new = []
+                    for mt in range(mtiles):
+                        def pv(acc, mt=mt):
+                            cache = {}  # values loaded in one scope must not leak into another
+                            for p in range(planes):
+                                vd_s[...] = vt(v, p, mt, cache)
+                                plgpu.commit_smem()
+                                plgpu.wgmma(acc, vd_s, pb(p))
+                                plgpu.wgmma_wait(0)
+                            return acc[...]
+                        new.append(accs[mt] + pl.run_scoped(
+                            pv, plgpu.ACC((PLANE, NP), jnp.float32)))
+                    accs = tuple(new)
+                else:
+                    def pv(acc_refs):
+                        for p in range(planes):
+                            for mt in range(mtiles):
+                                plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p))
+                                if tuning.lean_values:
+                                    plgpu.wgmma_wait(1)
+                            if tuning.lean_values:
+                                pass
+                            elif p and tuning.overlap:
+                                plgpu.wgmma_wait(mtiles)
+                            elif not tuning.overlap:
+                                plgpu.wgmma_wait(0)
+                        plgpu.wgmma_wait(0)
+                    accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+                if corr is not None:  # the code fields' offsets, subtracted every sub-step
+                    accs = tuple(a + corr for a in accs)
+                return m_new, l_t, accs, zaccs
+
+            def _store_p(x16, idx):
+                """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
+                widen8 order when w8)."""
+                if w8:
+                    _store_p_perm(x16, p_s.at[idx])
+                else:
+                    p_s.at[idx].T[...] = plgpu.layout_cast(x16, _WGT)
+
+            def _fold_values(v, ps, zaccs):
+                """fv (one channel group per token): stores P * s_t (fp16) of every plane as the B
+                operand and returns (corr, zaccs): corr the (64, N) broadcast of
+                -sum_t offset_j * fp16(P * s_t) (the offsets the raw code fields carry into the
+                product, from the rounded values wgmma sees, so they cancel up to the f32 sums),
+                zaccs[0] += P * z_t elementwise (the minimums' term, reduced at the end)."""
+                (zacc,) = zaccs
+                coff = None
+                for p in range(planes):
+                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
+                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                    pp = (ps[p] * sb).astype(f16)
+                    _store_p(pp, p)
+                    c = pp.astype(jnp.float32) * -_field_offset(value_bits, p % Pv)
+                    coff = c if coff is None else coff + c
+                    zacc = zacc + ps[p] * zb
+                return lax.broadcast_in_dim(red(coff, "add"), (PLANE, NP), [1]), (zacc,)
+
+            m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
+            l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+            zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+            a0 = tuple(zero() for _ in range(mtiles))
+            z0 = (zero(),) if fv else ()  # fv: sum_t P * z_t
+            # Block indices are offset by this split's first step (a traced value).
+            if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
+                blk = lambda i: first + lax.rem(i, 2)
             else:
-                p_s.at[idx].T[...] = plgpu.layout_cast(x16, _WGT)
+                blk = lambda i: first + i
+            specs = [plgpu.BlockSpec(shape, functools.partial(block_index, len(shape), axis, blk),
+                                     transforms=tf)
+                     for shape, _, tf, axis in pipe_blocks]
+            srcs = [x.at[layer, b, h] for x in gmem]
+            if W > 1:
+                m_run, l_t, accs, zaccs = _pipeline(
+                    step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
+                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0))
+            else:
+                m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
+                    step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
+                    init_carry=(m0, l0, a0, z0),
+                )(*srcs)
+            l = red(l_t, "add")
+            ok = l > 0
+            inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+            ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
+            if fv:  # the minimums' term
+                zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
+                accs = [a + zs for a in accs]
+            for mt in range(mtiles):
+                o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
+            lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
+            plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
+            plgpu.wait_smem_to_gmem(0)
 
-        def _fold_values(v, ps, zaccs):
-            """fv (one channel group per token): stores P * s_t (fp16) of every plane as the B
-            operand and returns (corr, zaccs): corr the (64, N) broadcast of
-            -sum_t offset_j * fp16(P * s_t) (the offsets the raw code fields carry into the
-            product, from the rounded values wgmma sees, so they cancel up to the f32 sums),
-            zaccs[0] += P * z_t elementwise (the minimums' term, reduced at the end)."""
-            (zacc,) = zaccs
-            coff = None
-            for p in range(planes):
-                sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
-                zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
-                sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
-                zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                pp = (ps[p] * sb).astype(f16)
-                _store_p(pp, p)
-                c = pp.astype(jnp.float32) * -_field_offset(value_bits, p % Pv)
-                coff = c if coff is None else coff + c
-                zacc = zacc + ps[p] * zb
-            return lax.broadcast_in_dim(coff.sum(axis=0), (PLANE, NP), [1]), (zacc,)
-
-        m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
-        l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-        zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-        a0 = tuple(zero() for _ in range(mtiles))
-        z0 = (zero(),) if fv else ()  # fv: sum_t P * z_t
-        kc_rows, g_rows = TS // Pk, TS // G
-        v_cols = TS // Pv
-        ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
-        # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
-        vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
-        # Block indices are offset by this split's first step (a traced value).
-        if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
-            blk = lambda i: first + lax.rem(i, 2)
+        if W > 1:  # unit u = (b, h, s) of this warpgroup; the last block may have idle ones
+            wg = lax.axis_index("wg")
+            u = lax.axis_index("blk") * W + wg
+            b, h, s = lax.div(u, Hkv * S), lax.rem(lax.div(u, S), Hkv), lax.rem(u, S)
+            pl.when(u < B * Hkv * S)(lambda: unit(wg, b, h, s))
         else:
-            blk = lambda i: first + i
-        if not alt_layout:
-            specs = [
-                plgpu.BlockSpec((kc_rows, D), lambda i: (blk(i), 0), transforms=ktf),
-                plgpu.BlockSpec((g_rows, D), lambda i: (blk(i), 0)),
-                plgpu.BlockSpec((g_rows, D), lambda i: (blk(i), 0)),
-                plgpu.BlockSpec((D, v_cols), lambda i: (0, blk(i)), transforms=vtf),
-                # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
-                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, blk(i), 0)),
-                plgpu.BlockSpec((D // G, TS // VCH, VCH), lambda i: (0, blk(i), 0)),
-            ]
-        else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
-            specs = [
-                plgpu.BlockSpec((kc_rows, D), lambda i: (blk(i), 0), transforms=ktf),
-                plgpu.BlockSpec((g_rows, 2, D), lambda i: (blk(i), 0, 0)),
-                plgpu.BlockSpec((v_cols // PLANE, D, PLANE), lambda i: (blk(i), 0, 0)),
-                plgpu.BlockSpec((D // G, TS // VCH, 2, VCH), lambda i: (0, blk(i), 0, 0)),
-            ]
-        m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
-            step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
-            init_carry=(m0, l0, a0, z0),
-        )(*[x.at[layer, b, h] for x in gmem])
-        l = l_t.sum(axis=0)
-        ok = l > 0
-        inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-        ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
-        if fv:  # the minimums' term
-            zs = lax.broadcast_in_dim(zaccs[0].sum(axis=0), (PLANE, NP), [1])
-            accs = [a + zs for a in accs]
-        for mt in range(mtiles):
-            o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
-        lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
-        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
-        plgpu.wait_smem_to_gmem(0)
+            unit(0, lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"))
 
-    scratch = [
-        plgpu.SMEM((KCH, NP, DC), f16, transforms=_swz(f16, DC)),
-        (plgpu.SMEM((planes, PLANE, NP), f16, transforms=_swz(f16, NP)) if tuning.p_direct else
-         plgpu.SMEM((NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat else
-         plgpu.SMEM((planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
-        plgpu.SMEM((D, NP), jnp.float32),
-        plgpu.SMEM((NP,), jnp.float32),
+    # W > 1: every buffer has a leading warpgroup axis.
+    per_wg = lambda *shape: (W, *shape) if W > 1 else shape
+    scratch = {
+        "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
+        "p_s": (plgpu.SMEM(per_wg(planes, PLANE, NP), f16, transforms=_swz(f16, NP))
+                if tuning.p_direct else
+                plgpu.SMEM(per_wg(NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat
+                else plgpu.SMEM(per_wg(planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
+        "o_s": plgpu.SMEM(per_wg(D, NP), jnp.float32),
+        "lse_s": plgpu.SMEM(per_wg(NP), jnp.float32),
         # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
-        plgpu.SMEM((PLANE, DC) if stage_smem else (8, 64), f16,
-                   transforms=_swz(f16, DC if stage_smem else 64)),
-        plgpu.SMEM((PLANE, PLANE) if stage_smem else (8, 64), f16, transforms=_swz(f16, 64)),
-        plgpu.Barrier(),
-    ]
+        "kd_s": plgpu.SMEM(per_wg(PLANE, DC) if stage_smem else per_wg(8, 64), f16,
+                           transforms=_swz(f16, DC if stage_smem else 64)),
+        "vd_s": plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64), f16,
+                           transforms=_swz(f16, 64)),
+        "bar": plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier(),
+    }
     if fold:
-        scratch += [
-            plgpu.SMEM((mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied), f32
-            plgpu.SMEM((NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
-            plgpu.Barrier(),
-        ]
+        scratch.update(
+            qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
+            bq_s=plgpu.SMEM(per_wg(NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
+            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
+    if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
+        for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
+            scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
+        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
+        scratch["red_s"] = plgpu.SMEM((W, _RED_SCRATCH), jnp.float32)
+    scratch_names = list(scratch)
+    if W > 1:
+        grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), num_threads=W,
+                    thread_name="wg")
+    else:
+        grid = dict(grid=(B, Hkv, S), grid_names=("b", "h", "s"))
     return plgpu.kernel(
         kivi_decode_sm90,
         out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
                   jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
-        grid=(B, Hkv, S), grid_names=("b", "h", "s"),
-        scratch_types=scratch,
+        **grid,
+        scratch_types=list(scratch.values()),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )

@@ -179,10 +179,16 @@ FLAG_CASES = [
     (2, 4, 2, 128, 1024, 4, 4, 128, jnp.bfloat16, (700, 1), 2,
      TC(512, 2, 2, k_chunks=2, sub_tokens=512)),
     (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TC(256, 2, 2, k_chunks=2)),
+    # wg_per_block: several (b, h, split) units per block, each warpgroup with its own
+    # pipeline and SMEM; 2 * 2 * 2 = 8 units in blocks of 3 (the last one partly idle), ragged
+    # lengths (one split of row 1 gets no steps), 3 stages with more steps than stages.
+    (2, 4, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 200), 1,
+     TC(256, 2, 3, wg_per_block=3)),
+    (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2, TC(256, 3, 2, wg_per_block=2)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
-            f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}"
+            f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
             for c in FLAG_CASES]
 
 
@@ -319,6 +325,12 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True)),
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16,
      TC(256, 4, 2, fold_k=True, reload_codes=True, lean_values=True)),
+    # Three warpgroups per block, each with its own pipeline (the last block partly idle:
+    # 3 * 8 * 5 = 120 units in 40 blocks; 4 * 8 * 3 = 96 in 32; 2 * 8 * 7 = 112 in 38).
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 5, 2, wg_per_block=3)),
+    (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 3, 2, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 7, 3, wg_per_block=3)),
+    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(512, 4, 2, wg_per_block=2)),
 ]
 
 
