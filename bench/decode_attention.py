@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -266,7 +267,7 @@ GRID_BITS_G = ((2, 128), (2, 32), (4, 128), (4, 32))
 
 
 def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32768),
-         bitsg=GRID_BITS_G, fp16=("cudnn", "xla"), twin=True):
+         bitsg=GRID_BITS_G, fp16=("cudnn", "xla"), twin=True, wgs=(None,)):
     # Priority order (the run is time-capped): the anchor shape at 128k first.
     points = []
     for Hq, Hkv, D in [(32, 8, 128), (64, 8, 128)]:
@@ -287,19 +288,21 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
                 fp[impl] = dict(kind=impl, **base, error=repr(e)[:300])
             rows.append(fp[impl])
             log(fp[impl])
-        for kb, G in bitsg:
+        for (kb, G), W in itertools.product(bitsg, wgs):
+            label = "kivi" if W is None else f"kivi-wg{W}"
             try:
                 tun = kd.choose_tuning(
                     B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G,
                     block_tokens=flags.block_tokens if flags else None,
-                    stages=flags.stages if flags else 2)
+                    stages=flags.stages if flags else 2,
+                    **({} if W is None else dict(wg_per_block=W)))
                 if flags is not None:
                     tun = dataclasses.replace(tun, p_concat=flags.p_concat)
-                r = bench_point(**base, kb=kb, vb=kb, G=G, tuning=tun, reps=10)
+                r = bench_point(**base, kb=kb, vb=kb, G=G, tuning=tun, reps=10, label=label)
                 if "ms" in fp.get("cudnn", {}):
                     r["speedup_vs_cudnn"] = fp["cudnn"]["ms"] / r["ms"]
             except Exception as e:
-                r = dict(kind="kivi", **base, kb=kb, vb=kb, G=G, error=repr(e)[:300])
+                r = dict(kind=label, **base, kb=kb, vb=kb, G=G, error=repr(e)[:300])
             rows.append(r)
             log(r)
         if not twin:
@@ -546,6 +549,9 @@ def main():
                     help="kernel configs of the grid, bits:G (keys and values alike)")
     ap.add_argument("--fp16", default="cudnn,xla", help="fp16 baselines of the grid")
     ap.add_argument("--no_twin", action="store_true", help="grid without the jnp twin")
+    ap.add_argument("--wg", default="",
+                    help="comma list of warpgroups per block to run side by side in the grid "
+                    "(TuningConfig.wg_per_block; default: choose_tuning's choice only)")
     ap.add_argument("--budget_s", type=float, default=500)
     ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
     ap.add_argument("--ptxas", action="store_true",
@@ -578,7 +584,8 @@ def main():
             grid(rows, deadline, [int(b) for b in a.batches.split(",")], flags,
                  [int(h) for h in a.hq.split(",")], [int(t) for t in a.ts.split(",")],
                  [tuple(map(int, x.split(":"))) for x in a.bits_g.split(",")],
-                 [x for x in a.fp16.split(",") if x], not a.no_twin)
+                 [x for x in a.fp16.split(",") if x], not a.no_twin,
+                 [int(w) for w in a.wg.split(",")] if a.wg else [None])
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
             json.dump(rows, f, indent=1, default=str)

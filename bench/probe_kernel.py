@@ -66,6 +66,7 @@ def ablations(kb, G, which="where"):
             for S in (6, 12):
                 if S != dw.num_splits and W == 3:
                     rows.append((f"W{W} S{S}", dataclasses.replace(dw, num_splits=S), False))
+        rows.append(("W3 fold_k", dataclasses.replace(rows[1][1], fold_k=True), False))
         rows.append(("W3 st3", dataclasses.replace(rows[1][1], stages=3), False))
         rows.append(("W3 compute-only", dataclasses.replace(rows[1][1], skip="loads"), False))
         return rows

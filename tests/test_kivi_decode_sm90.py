@@ -329,8 +329,8 @@ GPU_CASES = [  # larger shapes, native production variant
     # 3 * 8 * 5 = 120 units in 40 blocks; 4 * 8 * 3 = 96 in 32; 2 * 8 * 7 = 112 in 38).
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 5, 2, wg_per_block=3)),
     (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 3, 2, wg_per_block=3)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 7, 3, wg_per_block=3)),
-    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(512, 4, 2, wg_per_block=2)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(128, 7, 3, wg_per_block=3)),
+    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, wg_per_block=2)),
 ]
 
 

@@ -1,0 +1,81 @@
+"""How fast does an SM retire wgmma m64nNk16 with A from registers (the kernel's shape)?
+
+Each warpgroup issues ITERS wgmma calls of K = 128 (8 HGMMA each) against a B operand in SMEM,
+round-robin over NACC independent accumulators, keeping one call in flight; BLOCKS_PER_SM
+one-warpgroup blocks per SM. Prints clocks per HGMMA per SM (SM clock assumed 1.98 GHz).
+
+    PYTHONPATH=. python3 bench/wgmma_rate.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG = plgpu.Layout.WGMMA
+ITERS = 4096
+SMS = 132
+
+
+def make(N, nacc, blocks):
+    def body(b_g, o_g, b_s, o_s, bar):
+        plgpu.copy_gmem_to_smem(b_g, b_s, bar)
+        plgpu.barrier_wait(bar)
+        a = plgpu.layout_cast(jnp.full((64, 128), 1.0 / 1024, jnp.float16), WG)
+
+        def f(*accs):
+            def it(i, _):
+                for k in range(nacc):
+                    plgpu.wgmma(accs[k], a, b_s.T)
+                    plgpu.wgmma_wait(1)
+                return _
+            lax.fori_loop(0, ITERS // nacc, it, None)
+            plgpu.wgmma_wait(0)
+            return sum(x[...] for x in accs)
+
+        o_s[...] = pl.run_scoped(f, *[plgpu.ACC((64, N), jnp.float32)] * nacc)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[lax.axis_index("x")])
+        plgpu.wait_smem_to_gmem(0)
+
+    sw = plgpu.find_swizzle(128 * 16, "b")
+    tf = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((blocks, 64, N), jnp.float32),
+        grid=(blocks,), grid_names=("x",),
+        scratch_types=[plgpu.SMEM((N, 128), jnp.float16, transforms=tf),
+                       plgpu.SMEM((64, N), jnp.float32), plgpu.Barrier()])
+
+
+def main():
+    rows = []
+    for N in (8, 16, 32, 64):
+        for nacc in (1, 4):
+            for per_sm in (1, 2, 3):
+                blocks = SMS * per_sm
+                f = jax.jit(make(N, nacc, blocks))
+                b = jnp.full((N, 128), 1.0 / 128, jnp.float16)
+                jax.block_until_ready(f(b))
+                ts = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(b))
+                    ts.append(time.perf_counter() - t0)
+                t = sorted(ts)[2]
+                hgmma_per_sm = per_sm * ITERS * 8
+                clk = t * 1.98e9 / hgmma_per_sm
+                rows.append((N, nacc, per_sm, t * 1e3, clk))
+                print(f"N={N} acc={nacc} WG/SM={per_sm}: {t*1e3:.3f} ms, "
+                      f"{clk:.1f} clk per HGMMA per SM", flush=True)
+    print("\n| N | accumulators | WG per SM | clk per HGMMA per SM |")
+    for N, nacc, per_sm, _ms, clk in rows:
+        print(f"| {N} | {nacc} | {per_sm} | {clk:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
