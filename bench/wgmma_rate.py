@@ -1,14 +1,17 @@
 """How fast does an SM retire wgmma m64nNk16 with A from registers (the kernel's shape)?
 
-Each warpgroup issues ITERS wgmma calls of K = 128 (8 HGMMA each) against a B operand in SMEM,
-round-robin over NACC independent accumulators, keeping one call in flight; BLOCKS_PER_SM
-one-warpgroup blocks per SM. Prints clocks per HGMMA per SM (SM clock assumed 1.98 GHz).
+Each warpgroup issues ITERS wgmma calls of K (8 HGMMA each at K = 128, a dependent chain on
+one accumulator) against a B operand in SMEM, round-robin over NACC independent accumulators,
+keeping DEPTH calls in flight (wgmma_wait(DEPTH - 1)); one-warpgroup blocks, WG/SM per SM.
+Prints clocks per HGMMA per SM (SM clock assumed 1.98 GHz).
 
-    PYTHONPATH=. python3 bench/wgmma_rate.py
+    PYTHONPATH=. python3 bench/wgmma_rate.py            # N sweep, one call in flight
+    PYTHONPATH=. python3 bench/wgmma_rate.py --depth    # calls in flight and chain length
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -22,17 +25,17 @@ ITERS = 4096
 SMS = 132
 
 
-def make(N, nacc, blocks):
+def make(N, nacc, blocks, depth=2, K=128):
     def body(b_g, o_g, b_s, o_s, bar):
         plgpu.copy_gmem_to_smem(b_g, b_s, bar)
         plgpu.barrier_wait(bar)
-        a = plgpu.layout_cast(jnp.full((64, 128), 1.0 / 1024, jnp.float16), WG)
+        a = plgpu.layout_cast(jnp.full((64, K), 1.0 / 1024, jnp.float16), WG)
 
         def f(*accs):
             def it(i, _):
                 for k in range(nacc):
-                    plgpu.wgmma(accs[k], a, b_s.T)
-                    plgpu.wgmma_wait(1)
+                    plgpu.wgmma(accs[k], a, b_s.at[:, pl.ds(0, K)].T)
+                    plgpu.wgmma_wait(depth - 1)
                 return _
             lax.fori_loop(0, ITERS // nacc, it, None)
             plgpu.wgmma_wait(0)
@@ -52,28 +55,40 @@ def make(N, nacc, blocks):
                        plgpu.SMEM((64, N), jnp.float32), plgpu.Barrier()])
 
 
+def rate(N, nacc, per_sm, depth=2, K=128):
+    blocks = SMS * per_sm
+    f = jax.jit(make(N, nacc, blocks, depth, K))
+    b = jnp.full((N, 128), 1.0 / 128, jnp.float16)
+    jax.block_until_ready(f(b))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(b))
+        ts.append(time.perf_counter() - t0)
+    t = sorted(ts)[2]
+    return t * 1.98e9 / (per_sm * ITERS * K // 16)
+
+
 def main():
     rows = []
+    if "--depth" in sys.argv:  # N = 8: calls in flight, chain length, warpgroups per SM
+        for K in (128, 64):
+            for depth in (1, 2, 4, 8):
+                for per_sm in (1, 2, 3):
+                    clk = rate(8, max(depth, 1), per_sm, depth, K)
+                    rows.append((K, depth, per_sm, clk))
+                    print(rows[-1], flush=True)
+        print("\n| K per call | calls in flight | WG per SM | clk per HGMMA per SM |")
+        for K, depth, per_sm, clk in rows:
+            print(f"| {K} | {depth} | {per_sm} | {clk:.1f} |")
+        return
     for N in (8, 16, 32, 64):
         for nacc in (1, 4):
             for per_sm in (1, 2, 3):
-                blocks = SMS * per_sm
-                f = jax.jit(make(N, nacc, blocks))
-                b = jnp.full((N, 128), 1.0 / 128, jnp.float16)
-                jax.block_until_ready(f(b))
-                ts = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(b))
-                    ts.append(time.perf_counter() - t0)
-                t = sorted(ts)[2]
-                hgmma_per_sm = per_sm * ITERS * 8
-                clk = t * 1.98e9 / hgmma_per_sm
-                rows.append((N, nacc, per_sm, t * 1e3, clk))
-                print(f"N={N} acc={nacc} WG/SM={per_sm}: {t*1e3:.3f} ms, "
-                      f"{clk:.1f} clk per HGMMA per SM", flush=True)
+                rows.append((N, nacc, per_sm, rate(N, nacc, per_sm)))
+                print(rows[-1], flush=True)
     print("\n| N | accumulators | WG per SM | clk per HGMMA per SM |")
-    for N, nacc, per_sm, _ms, clk in rows:
+    for N, nacc, per_sm, clk in rows:
         print(f"| {N} | {nacc} | {per_sm} | {clk:.1f} |")
 
 

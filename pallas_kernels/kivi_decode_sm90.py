@@ -228,7 +228,7 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
 def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
-    block_tokens: int | None = None, stages: int = 2, wg_per_block: int = 1,
+    block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -242,8 +242,14 @@ def choose_tuning(
     512-token copies and S=6/12 no faster at 2/4-bit G=128 and 2-bit G=32.
     `block_tokens`/`stages`/`wg_per_block` override the defaults; with W warpgroups per block
     an SM runs one block (the register file holds W warpgroups at ptxas's cap), so W splits
-    are in flight per SM.
+    are in flight per SM. Warpgroups per block (docs/performance.md run 20, Hq=32 grid, W=1
+    against W=3 in one process): 2-bit G=32 with B * Hkv * T >= 2^22 takes W=3 (+5-7%: B=8
+    T=128k 0.389 -> 0.361 ms, B=32 T=32k/128k); below that W=3 loses (up to -15% at B=8
+    T=8k), and at G=128 (2/4-bit) it is even or slower, so those keep W=1.
     """
+    if wg_per_block is None:
+        big = batch * kv_heads * max_tokens >= 1 << 22
+        wg_per_block = 3 if (key_bits == 2 and group_size == 32 and big) else 1
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
         blk //= 2

@@ -254,6 +254,22 @@ def test_key_fold_gating():
     assert kd._uses_widen8(TC(fold_k=True), False)
 
 
+def test_choose_tuning_warpgroups_per_block():
+    """W = 3 only where run 20 measured it faster (2-bit G = 32, B * Hkv * T >= 2^22), and the
+    W pipelines of a block fit in shared memory."""
+    ct = kd.choose_tuning
+    assert ct(8, 8, 131072, group_size=32).wg_per_block == 3
+    assert ct(32, 8, 32768, group_size=32).wg_per_block == 3
+    assert ct(8, 8, 8192, group_size=32).wg_per_block == 1
+    assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
+    assert ct(8, 8, 131072, group_size=128).wg_per_block == 1
+    assert ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).wg_per_block == 1
+    for kb, G in ((2, 32), (2, 128), (4, 128), (4, 32)):
+        t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, wg_per_block=3)
+        assert t.wg_per_block == 3
+        assert kd.smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G) <= kd.SMEM_LIMIT
+
+
 def test_interpret_true_means_gpu_interpreter():
     """attention.py passes interpret=True (a bool): same SMEM-staged interpreter path."""
     _run_case(CASES[0], seed=3, interpret=True)
@@ -272,6 +288,8 @@ def test_tuning_config_validates():
         kd.TuningConfig(k_chunks=3)
     with pytest.raises(ValueError, match="sub_tokens"):
         kd.TuningConfig(sub_tokens=128)
+    with pytest.raises(ValueError, match="wg_per_block"):
+        kd.TuningConfig(wg_per_block=5)
     t = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     assert t.block_tokens == 256 and t.num_splits >= 1
 
