@@ -70,6 +70,13 @@ def ablations(kb, G, which="where"):
         rows.append(("W3 st3", dataclasses.replace(rows[1][1], stages=3), False))
         rows.append(("W3 compute-only", dataclasses.replace(rows[1][1], skip="loads"), False))
         return rows
+    if which == "i8":  # the key product on int8 tensor cores (K = 32)
+        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                              wg_per_block=3)
+        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
+                ("int8_keys W3", dataclasses.replace(d3, int8_keys=True), False),
+                ("int8_keys compute-only", r(int8_keys=True, skip="loads"), False),
+                ("compute-only", r(skip="loads"), False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -119,7 +126,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg")
+                    "| lean | wg | i8")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

@@ -124,6 +124,12 @@ class TuningConfig:
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
       SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
+    int8_keys: the key product on int8 tensor cores (wgmma K = 32: half the key wgmmas of fp16)
+      at G = D = 128, opt-in: A = the key code fields as s8 straight from the code bytes (one
+      and per four elements, no widening), B = q * s_g rounded to int8 per group and head
+      (scale max_c |q * s_g| / 127, `int8_prep`), scores = int32 accumulator * scale / field
+      weight + q . z_g. Costs precision: q * s_g carries ~7 bits (see docs/performance.md; the
+      twin models it with `int8_keys=True`). Replaces fold_k where both are set.
     wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
       own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
       The point is the register cap: ptxas fits a block of W warpgroups in the register file
@@ -150,6 +156,7 @@ class TuningConfig:
     warp_groups: bool = True
     widen8: bool = True
     wg_per_block: int = 1
+    int8_keys: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -191,17 +198,26 @@ def _folds_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
                 and not tuning.p_concat)
 
 
-def _folds_keys(tuning: TuningConfig, group_size: int) -> bool:
-    """Whether the key scale is folded into q (`TuningConfig.fold_k`): a 64-token plane in one
-    group and at most two groups per 256-token sub-step (the per-group work, an [N, D] operand
-    and two sums over D, is then small against the dequantization it saves)."""
-    return bool(tuning.fold_k and group_size >= 128)
+def _int8_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key product runs on int8 tensor cores (`TuningConfig.int8_keys`): one group
+    per two planes at most (G = 128) and 128-byte rows of the int8 q * s_g operand (D = 128)."""
+    return bool(tuning.int8_keys and group_size >= 128 and head_dim == 128)
+
+
+def _folds_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key scale is folded into q in fp16 (`TuningConfig.fold_k`): a 64-token plane
+    in one group and at most two groups per 256-token sub-step (the per-group work, an [N, D]
+    operand and two sums over D, is then small against the dequantization it saves); not with
+    int8_keys, which folds it its own way."""
+    return bool(tuning.fold_k and group_size >= 128
+                and not _int8_keys(tuning, group_size, head_dim))
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
     64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
-    if _folds_keys(tuning, group_size) or head_dim % (PLANE * tuning.k_chunks):
+    if (_folds_keys(tuning, group_size, head_dim) or _int8_keys(tuning, group_size, head_dim)
+            or head_dim % (PLANE * tuning.k_chunks)):
         return 1
     return tuning.k_chunks
 
@@ -216,9 +232,9 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     TS, D, G = tuning.block_tokens, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
     fold = 0
-    if _folds_keys(tuning, G):  # q * s_g per group of a sub-step, q^T in f32
+    if _folds_keys(tuning, G, D) or _int8_keys(tuning, G, D):  # q * s_g per group, q^T in f32
         ngs = min(tuning.sub_tokens, TS) // G
-        fold = ngs * padded_heads * D * 2 + D * padded_heads * 4
+        fold = ngs * padded_heads * D * 2 + D * padded_heads * 4 + PLANE * D
     W = tuning.wg_per_block
     red = _RED_SCRATCH * 4 if W > 1 else 0  # per-warpgroup reduction scratch (f32)
     per_wg = tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + fold + red
@@ -454,6 +470,70 @@ def _store_p_perm(p16, dst, col0: int = 0):
     store(p16, dst)
 
 
+def _s8_field_spec(bits: int, j: int):
+    """(shift, mask, weight) of code field j as an s8 number: (byte >> shift) & mask is
+    code * weight. Fields reaching the sign bit are shifted down by one first."""
+    lo = bits * j
+    if lo + bits <= 7:
+        return 0, ((1 << bits) - 1) << lo, 1 << lo
+    return 1, ((1 << bits) - 1) << (lo - 1), 1 << (lo - 1)
+
+
+def _s8_field(x8, bits: int, j: int):
+    """Code field j of a (64, X) uint8 tile in the 8-bit WGMMA layout as the s8 operand
+    code * weight (`_s8_field_spec`): one and (plus one shift for a top field) per register of
+    four bytes. Not interpretable (inline Mosaic GPU)."""
+    shift, mask, _ = _s8_field_spec(bits, j)
+    W8 = plgpu.Layout.WGMMA_8BIT
+
+    @plgpu.inline_mgpu(arg_types=(W8,),
+                       return_type=plgpu.ShapeDtypeStruct(x8.shape, jnp.int8, layout=W8))
+    def field(_, xa):
+        i32 = ir.IntegerType.get_signless(32)
+        out = np.empty(xa.registers.shape, dtype=object)
+        for idx in np.ndindex(xa.registers.shape):
+            reg = xa.registers[idx]
+            w = mgpu_utils.bitcast(reg, i32)
+            if shift:
+                w = arith.shrui(w, _i32(shift))
+            w = arith.andi(w, _i32(mask * 0x01010101))
+            out[idx] = mgpu_utils.bitcast(w, reg.type)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=True)
+
+    return field(x8)
+
+
+def _store_q8(x, dst, col0: int):
+    """x (64 channels, N) int32 in the WGMMA layout, values in [-127, 127], as int8 columns
+    [col0, col0 + 64) of the wgmma B operand dst [N, 128] (tiling (8, 128), 128-byte swizzle):
+    one byte store per element. Not interpretable (inline Mosaic GPU)."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.int8, 128))))
+    def store(_, xa, ref):
+        lane, warp = _lane_warp()
+        i8 = ir.IntegerType.get_signless(8)
+        base = mgpu_utils.memref_ptr(ref)
+        k2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        for idx in np.ndindex(xa.registers.shape):
+            i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
+            c = arith.addi(arith.addi(arith.muli(warp, _i32(16)), _i32(col0 + 8 * h)),
+                           arith.shrui(lane, _i32(2)))  # channel: byte column of dst
+            chunk, within = arith.shrui(c, _i32(4)), arith.andi(c, _i32(15))
+            reg = xa.registers[idx]
+            for e in range(2):
+                n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
+                nr = arith.andi(n, _i32(7))
+                off = arith.addi(
+                    arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
+                               arith.muli(nr, _i32(128))),
+                    arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
+                val = arith.trunci(i8, vector.extract(reg, dynamic_position=[],
+                                                      static_position=[e]))
+                llvm.store(val, mgpu_utils.getelementptr(base, [off], i8))
+
+    store(x, dst)
+
+
 def _wg_reduce(x, kind: str, scratch_ref):
     """x (64, N) f32 in the WGMMA layout reduced over its rows ("add" or "max") -> (N,) in the
     reduce(0) layout, the cross-warp step going through `scratch_ref`, this warpgroup's own
@@ -539,7 +619,8 @@ def _make_kernel(
     mtiles = D // PLANE
     VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
     f16 = jnp.float16
-    fold = _folds_keys(tuning, G)
+    fold = _folds_keys(tuning, G, D)
+    i8k = _int8_keys(tuning, G, D)
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
     fv = _folds_values(tuning, G, D)
@@ -552,7 +633,8 @@ def _make_kernel(
         widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
-    extra_names = (["qt_s", "bq_s", "bar2"] if fold else [])
+    extra_names = (["qt_s", "bq_s", "bar2"] if fold else
+                   ["qt_s", "bq8_s", "kd8_s", "bar2"] if i8k else [])
     W = tuning.wg_per_block
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -579,7 +661,7 @@ def _make_kernel(
     n_in = 4 if alt_layout else 6
 
     def kivi_decode_sm90(meta_g, q_g, *refs):
-        if fold:
+        if fold or i8k:
             qt_g, *refs = refs
         gmem = refs[:n_in]
         o_g, lse_g, *scratch_refs = refs[n_in:]
@@ -609,8 +691,9 @@ def _make_kernel(
 
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
-            if fold:  # q^T in f32, loop-invariant registers: (64 channels, N) per channel tile
-                qt_s, bq_s, bar2 = ex["qt_s"], ex["bq_s"], ex["bar2"]
+            if fold or i8k:  # q^T in f32, loop-invariant: (64 channels, N) per channel tile
+                qt_s, bar2 = ex["qt_s"], ex["bar2"]
+                bq_s = ex["bq_s"] if fold else ex["bq8_s"]
                 plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
                 plgpu.barrier_wait(bar2)
                 qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
@@ -725,9 +808,88 @@ def _make_kernel(
                                      cache, ("v", p), per_warp, w8)
                 return c * sc + mn
 
+            def int8_prep(v):
+                """int8_keys: stores bq_s[g] = round(q * s_g / sigma_g) (int8 [N, D], sigma_g =
+                max_c |q * s_g| / 127 per head) for every key group g of the sub-step and returns,
+                per plane p (group g, field j), the (64, N) broadcasts of sigma_g / weight_j
+                and of q . z_g: scores = int32 accumulator * the first + the second."""
+                out = []
+                for g in range(NGS):
+                    xs, amax, zsum = [], None, None
+                    for mt in range(mtiles):
+                        cols = pl.ds(mt * PLANE, PLANE)
+                        sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
+                        zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
+                        x = qt[mt] * lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                        z = qt[mt] * lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                        xs.append(x)
+                        amax = jnp.abs(x) if amax is None else jnp.maximum(amax, jnp.abs(x))
+                        zsum = z if zsum is None else zsum + z
+                    am = red(amax, "max")
+                    am = jnp.where(am > 0, am, 1.0)  # padded heads: q = 0
+                    inv = lax.broadcast_in_dim(127.0 / am, (PLANE, NP), [1])
+                    q8 = []
+                    for mt, x in enumerate(xs):
+                        y = x * inv  # in [-127, 127]; rounded half away from zero
+                        yi = (y + jnp.where(y >= 0, 0.5, -0.5)).astype(jnp.int32)
+                        if interpret:
+                            q8.append(yi.astype(jnp.int8))
+                        else:
+                            _store_q8(yi, bq_s.at[g], mt * PLANE)
+                    if interpret:
+                        t = q8[0] if mtiles == 1 else jnp.concatenate(q8, axis=0)
+                        bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
+                    sigma = am * (1.0 / 127.0)
+                    bias = lax.broadcast_in_dim(red(zsum, "add"), (PLANE, NP), [1])
+                    out.append((sigma, bias))
+                plgpu.commit_smem()
+                res = []
+                for p in range(planes):
+                    sigma, bias = out[p * PLANE // G]
+                    wgt = _s8_field_spec(key_bits, p % Pk)[2]
+                    res.append((lax.broadcast_in_dim(sigma * (1.0 / wgt), (PLANE, NP), [1]),
+                                bias))
+                return res
+
+            def k_field8(v, p, cache):
+                """int8_keys: key code field of plane p as the s8 A operand (64 tokens, D)."""
+                r = p // Pk
+                if interpret:
+                    x = v["kcodes"](r, 0)[...].astype(jnp.int32)
+                    shift, mask, _ = _s8_field_spec(key_bits, p % Pk)
+                    return ((x >> shift) & mask).astype(jnp.int8)
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                    cache[r] = plgpu.load(v["kcodes"](r, 0), (), layout=plgpu.Layout.WGMMA_8BIT)
+                return _s8_field(cache[r], key_bits, p % Pk)
+
             def scores(v):
                 """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
                 bias of `fold_prep`)."""
+                if i8k:
+                    fix = int8_prep(v)
+                    b8 = lambda p: bq_s.at[p * PLANE // G].T
+                    acc8 = plgpu.ACC((PLANE, NP), jnp.int32)
+                    if stage_smem:
+                        def f8(acc, p):
+                            ex["kd8_s"][...] = k_field8(v, p, {})
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, ex["kd8_s"], b8(p))
+                            plgpu.wgmma_wait(0)
+                            return acc[...]
+                        raw = [pl.run_scoped(functools.partial(f8, p=p), acc8)
+                               for p in range(planes)]
+                    else:
+                        def f8(*accs):
+                            cache = {}
+                            for p in range(planes):
+                                plgpu.wgmma(accs[p], k_field8(v, p, cache), b8(p))
+                                if p:
+                                    plgpu.wgmma_wait(1)
+                            plgpu.wgmma_wait(0)
+                            return [a[...] for a in accs]
+                        raw = pl.run_scoped(f8, *[acc8] * planes)
+                    return [a.astype(jnp.float32) * sc_ + bias for a, (sc_, bias) in zip(
+                        raw, fix, strict=True)]
                 if fold:  # code fields with their offsets against q * s_g of the plane's group
                     a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
                     b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
@@ -949,6 +1111,14 @@ def _make_kernel(
             qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
             bq_s=plgpu.SMEM(per_wg(NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
             bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
+    if i8k:
+        scratch.update(
+            qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
+            bq8_s=plgpu.SMEM(per_wg(NGS, NP, D), jnp.int8, transforms=_swz(jnp.int8, D)),
+            # the interpreter's SMEM-staged s8 A operand (a placeholder natively)
+            kd8_s=plgpu.SMEM(per_wg(PLANE, D) if stage_smem else per_wg(8, 128), jnp.int8,
+                             transforms=_swz(jnp.int8, 128)),
+            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
     if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
@@ -1062,7 +1232,7 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
     extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
-             if _folds_keys(tuning, group_size) else ())
+             if _folds_keys(tuning, group_size, D) or _int8_keys(tuning, group_size, D) else ())
     qf = qf.astype(_MMA_DTYPE)
     if _uses_widen8(tuning, interpret, alt_layout):  # key tile channels in the _PERM16 order
         qf = permute_contraction(qf)
@@ -1153,13 +1323,16 @@ def _unpack_layer(codes, bits, axis):
     return unpack(codes, bits, axis=axis, plane=PLANE)
 
 
-@functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale",
+                                             "int8_keys"))
 def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
                           *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-                          tuning=None, interpret=False):
+                          tuning=None, interpret=False, int8_keys: bool = False):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
-    outputs as `kivi_decode` (tuning/interpret ignored)."""
+    outputs as `kivi_decode` (tuning/interpret ignored). int8_keys: q * s_g rounded to int8 per
+    group and head as the kernel does with `TuningConfig.int8_keys` (scale max_c |q * s_g| /
+    127, rounding half away from zero)."""
     del tuning, interpret
     L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                          num_tokens, layer, key_bits, value_bits, group_size)
@@ -1173,6 +1346,11 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     qs = q.astype(f32).reshape(B, Hkv, nq, D) * sm_scale
     # keys: q'_g = q * s_g (per token group g), bias_g = q . z_g
     qg = qs[:, :, None] * ks[:, :, :, None, :]  # [B,H,Tq/G,nq,D]
+    if int8_keys:
+        am = jnp.abs(qg).max(axis=-1, keepdims=True)
+        am = jnp.where(am > 0, am, 1.0)
+        y = qg * (127.0 / am)
+        qg = jnp.trunc(y + jnp.where(y >= 0, 0.5, -0.5)) * (am * (1.0 / 127.0))
     kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
     logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
     logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]

@@ -119,7 +119,8 @@ def _run_case(case, seed, interpret):
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
 
         assert not ipc.get_races().races_found, "GPU interpreter detected a data race"
-    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw,
+                                        int8_keys=kd._int8_keys(tun, G, D))
     compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
 
 
@@ -185,10 +186,17 @@ FLAG_CASES = [
     (2, 4, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 200), 1,
      TC(256, 2, 3, wg_per_block=3)),
     (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2, TC(256, 3, 2, wg_per_block=2)),
+    # int8_keys: the key product on int8 tensor cores (against the twin's int8 model of q * s_g)
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, int8_keys=True)),
+    (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
+     TC(256, 1, 2, int8_keys=True, fold_v=False)),
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, int8_keys=True, wg_per_block=3)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
+            f"-i8k{int(c[-1].int8_keys)}"
             for c in FLAG_CASES]
 
 
@@ -349,6 +357,10 @@ GPU_CASES = [  # larger shapes, native production variant
     (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 3, 2, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(128, 7, 3, wg_per_block=3)),
     (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, wg_per_block=2)),
+    # int8_keys (against the twin's int8 model of q * s_g), also with three warpgroups
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, int8_keys=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, int8_keys=True, fold_v=False)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, int8_keys=True, wg_per_block=3)),
 ]
 
 
@@ -384,5 +396,6 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
-        k: v for k, v in kw.items() if k != "tuning"})
+        k: v for k, v in kw.items() if k != "tuning"},
+        int8_keys=tun is not None and kd._int8_keys(tun, G, D))
     compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
