@@ -7,6 +7,7 @@ Prints clocks per HGMMA per SM (SM clock assumed 1.98 GHz).
 
     PYTHONPATH=. python3 bench/wgmma_rate.py            # N sweep, one call in flight
     PYTHONPATH=. python3 bench/wgmma_rate.py --depth    # calls in flight and chain length
+    PYTHONPATH=. python3 bench/wgmma_rate.py --int8     # s8 x s8 -> s32, K = 32 per HGMMA
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ ITERS = 4096
 SMS = 132
 
 
-def make(N, nacc, blocks, depth=2, K=128):
+def make(N, nacc, blocks, depth=2, K=128, dtype=jnp.float16):
     def body(b_g, o_g, b_s, o_s, bar):
         plgpu.copy_gmem_to_smem(b_g, b_s, bar)
         plgpu.barrier_wait(bar)
-        a = plgpu.layout_cast(jnp.full((64, K), 1.0 / 1024, jnp.float16), WG)
+        if dtype == jnp.int8:
+            a = plgpu.layout_cast(jnp.full((64, K), 1, jnp.int8), plgpu.Layout.WGMMA_8BIT)
+        else:
+            a = plgpu.layout_cast(jnp.full((64, K), 1.0 / 1024, dtype), WG)
 
         def f(*accs):
             def it(i, _):
@@ -41,24 +45,26 @@ def make(N, nacc, blocks, depth=2, K=128):
             plgpu.wgmma_wait(0)
             return sum(x[...] for x in accs)
 
-        o_s[...] = pl.run_scoped(f, *[plgpu.ACC((64, N), jnp.float32)] * nacc)
+        acc_t = jnp.int32 if dtype == jnp.int8 else jnp.float32
+        o_s[...] = pl.run_scoped(f, *[plgpu.ACC((64, N), acc_t)] * nacc).astype(jnp.float32)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_g.at[lax.axis_index("x")])
         plgpu.wait_smem_to_gmem(0)
 
-    sw = plgpu.find_swizzle(128 * 16, "b")
-    tf = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    bits = jnp.dtype(dtype).itemsize * 8
+    sw = plgpu.find_swizzle(128 * bits, "b")
+    tf = (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((blocks, 64, N), jnp.float32),
         grid=(blocks,), grid_names=("x",),
-        scratch_types=[plgpu.SMEM((N, 128), jnp.float16, transforms=tf),
+        scratch_types=[plgpu.SMEM((N, 128), dtype, transforms=tf),
                        plgpu.SMEM((64, N), jnp.float32), plgpu.Barrier()])
 
 
-def rate(N, nacc, per_sm, depth=2, K=128):
+def rate(N, nacc, per_sm, depth=2, K=128, dtype=jnp.float16):
     blocks = SMS * per_sm
-    f = jax.jit(make(N, nacc, blocks, depth, K))
-    b = jnp.full((N, 128), 1.0 / 128, jnp.float16)
+    f = jax.jit(make(N, nacc, blocks, depth, K, dtype))
+    b = jnp.full((N, 128), 1 if dtype == jnp.int8 else 1.0 / 128, dtype)
     jax.block_until_ready(f(b))
     ts = []
     for _ in range(5):
@@ -66,11 +72,20 @@ def rate(N, nacc, per_sm, depth=2, K=128):
         jax.block_until_ready(f(b))
         ts.append(time.perf_counter() - t0)
     t = sorted(ts)[2]
-    return t * 1.98e9 / (per_sm * ITERS * K // 16)
+    return t * 1.98e9 / (per_sm * ITERS * K // (32 if dtype == jnp.int8 else 16))
 
 
 def main():
     rows = []
+    if "--int8" in sys.argv:  # N = 8: fp16 (K = 16) against s8 (K = 32) per HGMMA
+        for dt in (jnp.float16, jnp.int8):
+            for per_sm in (1, 2, 3):
+                rows.append((jnp.dtype(dt).name, per_sm, rate(8, 2, per_sm, 2, 128, dt)))
+                print(rows[-1], flush=True)
+        print("\n| A/B type | WG per SM | clk per HGMMA per SM |")
+        for name, per_sm, clk in rows:
+            print(f"| {name} | {per_sm} | {clk:.1f} |")
+        return
     if "--depth" in sys.argv:  # N = 8: calls in flight, chain length, warpgroups per SM
         for K in (128, 64):
             for depth in (1, 2, 4, 8):
