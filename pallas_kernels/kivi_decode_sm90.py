@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import math as math_dialect
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -503,35 +504,67 @@ def _s8_field(x8, bits: int, j: int):
     return field(x8)
 
 
-def _store_q8(x, dst, col0: int):
-    """x (64 channels, N) int32 in the WGMMA layout, values in [-127, 127], as int8 columns
-    [col0, col0 + 64) of the wgmma B operand dst [N, 128] (tiling (8, 128), 128-byte swizzle):
-    one byte store per element. Not interpretable (inline Mosaic GPU)."""
+def _int8_prep_native(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref):
+    """int8_keys, one key group, no barrier: q * s_g rounded to int8 into the wgmma B operand
+    bq8_ref [N, 128] (tiling (8, 128), 128-byte swizzle), and per head sigma = max_c |q * s_g|
+    / 127 and q . z_g into stats_ref [2, N] (f32). q32_ref: [N, 128] f32 (sm_scale applied);
+    ks_ref / kz_ref: the group's (128,) fp16 scale and minimum. Thread t of the warpgroup owns
+    head t // 16 (+ 8 per further pass), channels 8 (t % 16) .. + 8: the max and the sum over a
+    head's channels are 16-lane shuffles, the eight codes one 8-byte store. Rounds half to
+    even (cvt.rni). Visible to wgmma after the caller's commit_smem. Not interpretable."""
+    N, D = q32_ref.shape
 
-    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.int8, 128))))
-    def store(_, xa, ref):
-        lane, warp = _lane_warp()
-        i8 = ir.IntegerType.get_signless(8)
-        base = mgpu_utils.memref_ptr(ref)
-        k2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
-        for idx in np.ndindex(xa.registers.shape):
-            i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
-            c = arith.addi(arith.addi(arith.muli(warp, _i32(16)), _i32(col0 + 8 * h)),
-                           arith.shrui(lane, _i32(2)))  # channel: byte column of dst
-            chunk, within = arith.shrui(c, _i32(4)), arith.andi(c, _i32(15))
-            reg = xa.registers[idx]
-            for e in range(2):
-                n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
-                nr = arith.andi(n, _i32(7))
-                off = arith.addi(
-                    arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
-                               arith.muli(nr, _i32(128))),
-                    arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
-                val = arith.trunci(i8, vector.extract(reg, dynamic_position=[],
-                                                      static_position=[e]))
-                llvm.store(val, mgpu_utils.getelementptr(base, [off], i8))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(transforms=_swz(jnp.int8, D)), plgpu.RefType()))
+    def prep(_, q_ref, s_ref, z_ref, b_ref, st_ref):
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        v8f32 = ir.VectorType.get((8,), f32)
+        v8f16 = ir.VectorType.get((8,), ir.F16Type.get())
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        base = mgpu_utils.memref_ptr(b_ref)
+        for k in range(N * D // 8 // 128):
+            cid = arith.addi(tid, _i32(128 * k))
+            n, c0 = arith.shrui(cid, _i32(4)), arith.muli(arith.andi(cid, _i32(15)), _i32(8))
+            q = vector.load(v8f32, q_ref, [idx(n), idx(c0)])
+            sv = arith.extf(v8f32, vector.load(v8f16, s_ref, [idx(c0)]))
+            zv = arith.extf(v8f32, vector.load(v8f16, z_ref, [idx(c0)]))
+            x = arith.mulf(q, sv)
+            am = vector.reduction(f32, vector.CombiningKind.MAXNUMF, math_dialect.absf(x))
+            bias = vector.reduction(f32, vector.CombiningKind.ADD, arith.mulf(q, zv))
+            for dist in (1, 2, 4, 8):  # the 16 lanes of a head
+                am = arith.maxnumf(am, mgpu_utils.shfl_bfly(am, dist))
+                bias = arith.addf(bias, mgpu_utils.shfl_bfly(bias, dist))
+            safe = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, am, mgpu_utils.c(0.0, f32)),
+                                am, mgpu_utils.c(1.0, f32))
+            inv = arith.divf(mgpu_utils.c(127.0, f32), safe)
+            words = []
+            for w in range(2):  # four channels per 32-bit word, little-endian
+                ints = []
+                for e in range(4):
+                    xe = vector.extract(x, dynamic_position=[], static_position=[4 * w + e])
+                    ints.append(mgpu_utils.inline_ptx(
+                        "cvt.rni.s32.f32 $0, $1;", arith.mulf(xe, inv), result_types=i32))
+                # cvt.pack d, a, b, c: d = (c[15:0] << 16) | (a << 8) | b, saturated bytes
+                hi = mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, 0;",
+                                           ints[3], ints[2], result_types=i32)
+                words.append(mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, $3;",
+                                                   ints[1], ints[0], hi, result_types=i32))
+            nr = arith.andi(n, _i32(7))
+            off = arith.addi(
+                arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
+                           arith.muli(nr, _i32(128))),
+                arith.addi(arith.muli(arith.xori(arith.shrui(c0, _i32(4)), nr), _i32(16)),
+                           arith.andi(c0, _i32(8))))
+            pair = vector.from_elements(ir.VectorType.get((2,), i32), words)
+            llvm.store(pair, mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8)))
+            first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(cid, _i32(15)), _i32(0))
+            with mgpu_utils.when(first):
+                memref.store(arith.mulf(am, mgpu_utils.c(1.0 / 127.0, f32)), st_ref,
+                             [idx(_i32(0)), idx(n)])
+                memref.store(bias, st_ref, [idx(_i32(1)), idx(n)])
 
-    store(x, dst)
+    prep(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref)
 
 
 def _wg_reduce(x, kind: str, scratch_ref):
@@ -634,7 +667,7 @@ def _make_kernel(
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
     extra_names = (["qt_s", "bq_s", "bar2"] if fold else
-                   ["qt_s", "bq8_s", "kd8_s", "bar2"] if i8k else [])
+                   ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     W = tuning.wg_per_block
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -696,7 +729,10 @@ def _make_kernel(
                 bq_s = ex["bq_s"] if fold else ex["bq8_s"]
                 plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
                 plgpu.barrier_wait(bar2)
-                qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+                if fold:
+                    qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+                elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
+                    q32 = qt_s[...]
 
             def fold_prep(v):
                 """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
@@ -812,43 +848,30 @@ def _make_kernel(
                 """int8_keys: stores bq_s[g] = round(q * s_g / sigma_g) (int8 [N, D], sigma_g =
                 max_c |q * s_g| / 127 per head) for every key group g of the sub-step and returns,
                 per plane p (group g, field j), the (64, N) broadcasts of sigma_g / weight_j
-                and of q . z_g: scores = int32 accumulator * the first + the second."""
-                out = []
+                and of q . z_g: scores = int32 accumulator * the first + the second. Natively
+                without a barrier (`_int8_prep_native`); the commit orders it before wgmma."""
+                st8 = ex["st8_s"]
                 for g in range(NGS):
-                    xs, amax, zsum = [], None, None
-                    for mt in range(mtiles):
-                        cols = pl.ds(mt * PLANE, PLANE)
-                        sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
-                        zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
-                        x = qt[mt] * lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
-                        z = qt[mt] * lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                        xs.append(x)
-                        amax = jnp.abs(x) if amax is None else jnp.maximum(amax, jnp.abs(x))
-                        zsum = z if zsum is None else zsum + z
-                    am = red(amax, "max")
-                    am = jnp.where(am > 0, am, 1.0)  # padded heads: q = 0
-                    inv = lax.broadcast_in_dim(127.0 / am, (PLANE, NP), [1])
-                    q8 = []
-                    for mt, x in enumerate(xs):
-                        y = x * inv  # in [-127, 127]; rounded half away from zero
-                        yi = (y + jnp.where(y >= 0, 0.5, -0.5)).astype(jnp.int32)
-                        if interpret:
-                            q8.append(yi.astype(jnp.int8))
-                        else:
-                            _store_q8(yi, bq_s.at[g], mt * PLANE)
                     if interpret:
-                        t = q8[0] if mtiles == 1 else jnp.concatenate(q8, axis=0)
-                        bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
-                    sigma = am * (1.0 / 127.0)
-                    bias = lax.broadcast_in_dim(red(zsum, "add"), (PLANE, NP), [1])
-                    out.append((sigma, bias))
+                        x = q32 * v["kscale"](g)[...].astype(jnp.float32)[None]
+                        am = jnp.abs(x).max(axis=1)
+                        am = jnp.where(am > 0, am, 1.0)  # padded heads: q = 0
+                        bq_s.at[g][...] = jnp.round(x * (127.0 / am)[:, None]).astype(jnp.int8)
+                        st8.at[g, 0][...] = am * (1.0 / 127.0)
+                        st8.at[g, 1][...] = (
+                            q32 * v["kmin"](g)[...].astype(jnp.float32)[None]).sum(axis=1)
+                    else:
+                        _int8_prep_native(qt_s, v["kscale"](g), v["kmin"](g), bq_s.at[g],
+                                          st8.at[g])
                 plgpu.commit_smem()
                 res = []
                 for p in range(planes):
-                    sigma, bias = out[p * PLANE // G]
+                    g = p * PLANE // G
                     wgt = _s8_field_spec(key_bits, p % Pk)[2]
+                    sigma = plgpu.load(st8.at[g, 0], (), layout=_WG.reduce(0))
+                    bias = plgpu.load(st8.at[g, 1], (), layout=_WG.reduce(0))
                     res.append((lax.broadcast_in_dim(sigma * (1.0 / wgt), (PLANE, NP), [1]),
-                                bias))
+                                lax.broadcast_in_dim(bias, (PLANE, NP), [1])))
                 return res
 
             def k_field8(v, p, cache):
@@ -1113,11 +1136,12 @@ def _make_kernel(
             bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
     if i8k:
         scratch.update(
-            qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
+            qt_s=plgpu.SMEM(per_wg(NP, D), jnp.float32),  # q (sm_scale applied), f32
             bq8_s=plgpu.SMEM(per_wg(NGS, NP, D), jnp.int8, transforms=_swz(jnp.int8, D)),
             # the interpreter's SMEM-staged s8 A operand (a placeholder natively)
             kd8_s=plgpu.SMEM(per_wg(PLANE, D) if stage_smem else per_wg(8, 128), jnp.int8,
                              transforms=_swz(jnp.int8, 128)),
+            st8_s=plgpu.SMEM(per_wg(NGS, 2, NP), jnp.float32),  # sigma_g and q . z_g per head
             bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
     if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
@@ -1231,8 +1255,10 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
+    # int8_keys: q itself in float32 [NP, D] (q * s_g and its int8 rounding in-kernel).
     extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
-             if _folds_keys(tuning, group_size, D) or _int8_keys(tuning, group_size, D) else ())
+             if _folds_keys(tuning, group_size, D) else
+             (qf,) if _int8_keys(tuning, group_size, D) else ())
     qf = qf.astype(_MMA_DTYPE)
     if _uses_widen8(tuning, interpret, alt_layout):  # key tile channels in the _PERM16 order
         qf = permute_contraction(qf)
@@ -1332,7 +1358,7 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     value scale into p per token and channel group, minimums as biases. Same signature and
     outputs as `kivi_decode` (tuning/interpret ignored). int8_keys: q * s_g rounded to int8 per
     group and head as the kernel does with `TuningConfig.int8_keys` (scale max_c |q * s_g| /
-    127, rounding half away from zero)."""
+    127, rounding half to even)."""
     del tuning, interpret
     L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                          num_tokens, layer, key_bits, value_bits, group_size)
@@ -1349,8 +1375,7 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     if int8_keys:
         am = jnp.abs(qg).max(axis=-1, keepdims=True)
         am = jnp.where(am > 0, am, 1.0)
-        y = qg * (127.0 / am)
-        qg = jnp.trunc(y + jnp.where(y >= 0, 0.5, -0.5)) * (am * (1.0 / 127.0))
+        qg = jnp.round(qg * (127.0 / am)) * (am * (1.0 / 127.0))  # half to even, as cvt.rni
     kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
     logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
     logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
