@@ -146,7 +146,8 @@ def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
 
 
-def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret) -> tuple[Array, Array]:
+def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret,
+                 tuning=None) -> tuple[Array, Array]:
     try:
         from pallas_kernels import kivi_decode_sm90 as kernel
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
@@ -176,6 +177,7 @@ def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret) -> tuple[Arra
         group_size=cache.config.group_size,
         sm_scale=scale,
         interpret=interpret,
+        tuning=tuning,
     )
     b, hq, d = q.shape
     main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
@@ -210,13 +212,16 @@ def decode_attention(
     implementation: str = "auto",
     scale: float | None = None,
     interpret: bool = False,
+    tuning=None,
 ) -> Array:
     """Softmax attention of one query per row over `layer` of a cache.
 
     q: [B, Hq, D] with Hq a multiple of the cache's Hkv (GQA); attends to positions
     [0, lengths[b]) of each row (ragged rows masked); float32 math; returns [B, Hq, D] in
-    q.dtype. scale defaults to 1/sqrt(D). Raises ValueError for bad shapes or an unknown
-    implementation, NotImplementedError where "pallas" does not apply.
+    q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode_sm90.TuningConfig`
+    for the Pallas kernel (launch parameters and opt-in flags such as int8_keys; default: its
+    heuristic). Raises ValueError for bad shapes or an unknown implementation,
+    NotImplementedError where "pallas" does not apply.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -234,11 +239,11 @@ def decode_attention(
     elif implementation == "folded":
         o, _ = _kivi_folded(qg, cache, layer)
     elif implementation == "pallas":
-        o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret)
+        o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning)
     elif implementation == "auto" and _kernel_applies(q, cache):
         # tokamax-style dispatch: a kernel that declines a case at trace time falls back.
         try:
-            o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret)
+            o, _ = _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning)
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)
     else:

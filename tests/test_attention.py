@@ -211,3 +211,31 @@ def test_pallas_kernel_through_decode_attention_matches_reference(config):
         # bf16 output; the kernel's fp16 tensor-core math agrees to ~1e-3 of max |o|.
         np.testing.assert_allclose(np.asarray(got, np.float32), ref,
                                    atol=1e-2 * np.abs(ref).max(), err_msg=impl)
+
+
+def test_decode_attention_passes_the_kernel_tuning():
+    """`tuning` reaches the Pallas kernel: an unsupported one raises there, and the opt-in int8
+    key product (G = D = 128) agrees with the reference within its documented precision."""
+    from kivi_jax.attention import pallas_available
+    from pallas_kernels.kivi_decode_sm90 import TuningConfig
+
+    on_gpu = pallas_available()
+    if not on_gpu and jax.default_backend() != "cpu":
+        pytest.skip("needs a Hopper GPU or the CPU interpreter")
+    d, s = 128, 384
+    ks = jax.random.split(jax.random.key(3), 3)
+    k = jax.random.normal(ks[0], (1, 2, 2, s, d)).at[..., 7].multiply(8.0)
+    v = jax.random.normal(ks[1], (1, 2, 2, s, d))
+    q = jax.random.normal(ks[2], (2, 8, d)).astype(jnp.bfloat16)
+    cache = kj.KiviCache.init(kj.KiviConfig(2, 2, 128, 128), num_layers=1, batch=2, kv_heads=2,
+                              head_dim=d, max_len=s, dtype=jnp.bfloat16)
+    cache = cache.prefill(k, v, jnp.array([s, 300], jnp.int32))
+    run = lambda tun: kj.decode_attention(q, cache, 0, implementation="pallas",
+                                          interpret=not on_gpu, tuning=tun)
+    with pytest.raises(ValueError, match="block_tokens"):
+        run(TuningConfig(block_tokens=384))
+    ref = np.asarray(kj.decode_attention(q, cache, 0, implementation="reference"), np.float32)
+    got = np.asarray(run(TuningConfig(256, 1, 2, int8_keys=True)), np.float32)
+    # ~4e-2 of max |o| here against ~5e-3 with fp16 keys: the x8 outlier channel sets the int8
+    # scale of q * s_g, leaving the other channels three bits fewer (docs/performance.md).
+    np.testing.assert_allclose(got, ref, atol=6e-2 * np.abs(ref).max())
