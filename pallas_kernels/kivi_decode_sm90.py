@@ -44,6 +44,21 @@ below 65504 (fp16 operand). `kivi_decode_reference` computes the
 same function in float32 in the folded form (scales into q / p, minimums as biases), so kernel
 and twin are two different factorizations of one formula.
 
+int8 key product (`int8_keys`, opt-in, G = D = 128; docs/performance.md runs 21-22): the
+key code field is the s8 A operand as it sits in the code bytes (`_s8_field`), B = q * s_g
+rounded to int8 per group and head in the sub-step (`_int8_prep_native`), so the key product
+takes half the wgmmas (K = 32) and no dequantization; the scores are the int32 accumulator
+times max_c |q * s_g| / 127 over the field weight, plus q . z_g. Faster (2-bit G=128 0.343 ->
+0.328 ms) but q * s_g keeps ~7 bits, worse with key outlier channels: the twin models it
+(`kivi_decode_reference(..., int8_keys=True)`).
+
+Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
+block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
+(`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168) and an SM holds W
+warpgroups; the default for 2-bit G = 32 at large B * Hkv * T (measured, `choose_tuning`).
+What bounds the loop (runs 19-21): an m64n8k16 wgmma with A in registers takes ~20 SM clocks
+whatever N, and the CUDA-core instructions add to that rather than overlapping it.
+
 Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
 and scaled by sm_scale in float32 before the cast to fp16: bf16 queries work as long as
 |q * sm_scale| < 65504.
