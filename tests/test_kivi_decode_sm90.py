@@ -262,6 +262,24 @@ def test_key_fold_gating():
     assert kd._uses_widen8(TC(fold_k=True), False)
 
 
+def test_int8_key_gating():
+    """int8_keys applies at G = D = 128 only (one group per two planes, 128-byte operand rows),
+    is opt-in, takes precedence over fold_k, and keeps the key product in one chunk."""
+    on = TC(int8_keys=True)
+    assert kd._int8_keys(on, 128, 128)
+    assert not kd._int8_keys(on, 64, 128) and not kd._int8_keys(on, 64, 64)
+    assert not kd._int8_keys(on, 32, 128) and not kd._int8_keys(TC(), 128, 128)
+    both = TC(int8_keys=True, fold_k=True)
+    assert kd._int8_keys(both, 128, 128) and not kd._folds_keys(both, 128, 128)
+    assert kd._key_chunks(TC(k_chunks=2, int8_keys=True), 128, 128) == 1
+    for p, (bits, j) in enumerate([(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1)]):
+        shift, mask, weight = kd._s8_field_spec(bits, j)
+        for code in range(2 ** bits):  # every code of field j, as s8, is code * weight
+            byte = code << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
+            val = (byte >> shift) & mask
+            assert val < 128 and val == code * weight, (p, code)
+
+
 def test_choose_tuning_warpgroups_per_block():
     """W = 3 only where run 20 measured it faster (2-bit G = 32, B * Hkv * T >= 2^22), and the
     W pipelines of a block fit in shared memory."""
