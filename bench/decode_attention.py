@@ -196,6 +196,21 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
                 vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
 
 
+def error_cases(bits, ts, B=2, Hq=32, Hkv=8, D=128, G=128):
+    """The precision tables' inputs (bench/fold_error.py, bench/int8_error.py): per (bits, T,
+    q std) yields (kb, T, std, q, cache, num_tokens, kernel kwargs, choose_tuning's tuning);
+    ragged lengths, bf16 q of std 1 (flat attention) and 4 (peaked)."""
+    for kb in bits:
+        for T in ts:
+            cache = make_cache(jax.random.key(T + kb), 1, B, Hkv, D, T, kb, kb, G)
+            nt = jnp.array([T, T // 2 + 1], jnp.int32)  # ragged
+            kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+            tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+            for std in (1.0, 4.0):
+                q = (std * jax.random.normal(jax.random.key(7), (B, Hq, D))).astype(jnp.bfloat16)
+                yield kb, T, std, q, cache, nt, kw, tun
+
+
 def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
     nbytes = 2 * B * T * Hkv * D * 2
     L = layers_for(nbytes)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -35,26 +33,18 @@ def main():
     ap.add_argument("--ts", default="8192,131072")
     ap.add_argument("--bits", default="2,4")
     a = ap.parse_args()
-    B, Hq, Hkv, D, G = 2, 32, 8, 128, 128
     print("| bits | T | q std | fold_v: o err / lse err | no fold_v: o err / lse err |")
     print("|---|---|---|---|---|")
-    for kb in map(int, a.bits.split(",")):
-        for T in map(int, a.ts.split(",")):
-            cache = da.make_cache(jax.random.key(T + kb), 1, B, Hkv, D, T, kb, kb, G)
-            nt = jnp.array([T, T // 2 + 1], jnp.int32)  # ragged
-            kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
-            tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-            for std in (1.0, 4.0):
-                q = (std * jax.random.normal(jax.random.key(7), (B, Hq, D))).astype(jnp.bfloat16)
-                ro, rl = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw)
-                cells = []
-                for fv in (True, False):
-                    t = dataclasses.replace(tun, fold_v=fv)
-                    o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(0), **kw, tuning=t)
-                    eo, el = errors(o, lse, ro, rl)
-                    cells.append(f"{eo:.2e} / {el:.2e}")
-                print(f"| {kb} | {T} | {std:g} | {cells[0]} | {cells[1]} |", flush=True)
-
+    for kb, T, std, q, cache, nt, kw, tun in da.error_cases(
+            list(map(int, a.bits.split(","))), list(map(int, a.ts.split(",")))):
+        ro, rl = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw)
+        cells = []
+        for fv in (True, False):
+            t = dataclasses.replace(tun, fold_v=fv)
+            o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(0), **kw, tuning=t)
+            eo, el = errors(o, lse, ro, rl)
+            cells.append(f"{eo:.2e} / {el:.2e}")
+        print(f"| {kb} | {T} | {std:g} | {cells[0]} | {cells[1]} |", flush=True)
 
 if __name__ == "__main__":
     main()

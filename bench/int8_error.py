@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,28 +34,20 @@ def main():
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--kernel", action="store_true", help="also the kernels (needs a GPU)")
     a = ap.parse_args()
-    B, Hq, Hkv, D, G = 2, 32, 8, 128, 128
     cols = ["twin int8"] + (["kernel int8", "kernel default"] if a.kernel else [])
     print("| bits | T | q std | " + " | ".join(f"{c}: o err / lse err" for c in cols) + " |")
     print("|---" * (3 + len(cols)) + "|")
-    for kb in map(int, a.bits.split(",")):
-        for T in map(int, a.ts.split(",")):
-            cache = da.make_cache(jax.random.key(T + kb), 1, B, Hkv, D, T, kb, kb, G)
-            nt = jnp.array([T, T // 2 + 1], jnp.int32)  # ragged
-            kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
-            tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-            for std in (1.0, 4.0):
-                q = (std * jax.random.normal(jax.random.key(7), (B, Hq, D))).astype(jnp.bfloat16)
-                ref = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw)
-                cells = [errors(*kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw,
-                                                          int8_keys=True), *ref)]
-                if a.kernel:
-                    for i8 in (True, False):
-                        t = dataclasses.replace(tun, int8_keys=i8)
-                        cells.append(errors(*kd.kivi_decode(q, *cache, nt, jnp.int32(0), **kw,
-                                                            tuning=t), *ref))
-                print(f"| {kb} | {T} | {std:g} | " + " | ".join(cells) + " |", flush=True)
-
+    for kb, T, std, q, cache, nt, kw, tun in da.error_cases(
+            list(map(int, a.bits.split(","))), list(map(int, a.ts.split(",")))):
+        ref = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw)
+        cells = [errors(*kd.kivi_decode_reference(q, *cache, nt, jnp.int32(0), **kw,
+                                                  int8_keys=True), *ref)]
+        if a.kernel:
+            for i8 in (True, False):
+                t = dataclasses.replace(tun, int8_keys=i8)
+                cells.append(errors(*kd.kivi_decode(q, *cache, nt, jnp.int32(0), **kw,
+                                                    tuning=t), *ref))
+        print(f"| {kb} | {T} | {std:g} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()
