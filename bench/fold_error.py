@@ -46,5 +46,6 @@ def main():
             cells.append(f"{eo:.2e} / {el:.2e}")
         print(f"| {kb} | {T} | {std:g} | {cells[0]} | {cells[1]} |", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -49,5 +49,6 @@ def main():
                                                     tuning=t), *ref))
         print(f"| {kb} | {T} | {std:g} | " + " | ".join(cells) + " |", flush=True)
 
+
 if __name__ == "__main__":
     main()
