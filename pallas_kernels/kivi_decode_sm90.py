@@ -195,11 +195,11 @@ class TuningConfig:
                 f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
 
 
-def _uses_widen8(tuning: TuningConfig, interpret, alt_layout: bool = False) -> bool:
+def _uses_widen8(tuning: TuningConfig, interpret) -> bool:
     """Whether the kernel takes the widen8 path (`_widen8`): native only, not with the folded
     or alternative P layouts (their operands are in the natural order) nor with key chunks (a
-    chunk would split the swizzled code rows)."""
-    del alt_layout  # both layouts hold a plane's value codes as 64-byte rows
+    chunk would split the swizzled code rows). Both value-code layouts hold a plane's codes as
+    64-byte rows, so the experimental one takes it too."""
     natural_order = tuning.p_direct or tuning.p_concat
     return bool(tuning.widen8 and not interpret and tuning.k_chunks == 1
                 and not natural_order)
@@ -673,7 +673,7 @@ def _make_kernel(
     reload = tuning.reload_codes
     fv = _folds_values(tuning, G, D)
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
-    w8 = _uses_widen8(tuning, interpret, alt_layout)
+    w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
     swizzle_codes = tuning.swizzle_codes or w8
     if w8:
@@ -1275,7 +1275,7 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
              if _folds_keys(tuning, group_size, D) else
              (qf,) if _int8_keys(tuning, group_size, D) else ())
     qf = qf.astype(_MMA_DTYPE)
-    if _uses_widen8(tuning, interpret, alt_layout):  # key tile channels in the _PERM16 order
+    if _uses_widen8(tuning, interpret):  # key tile channels in the _PERM16 order
         qf = permute_contraction(qf)
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
     kch = _key_chunks(tuning, D, group_size)

@@ -235,7 +235,6 @@ def test_native_only_paths_are_gated():
     d = TC()
     assert kd._uses_widen8(d, False)
     assert not kd._uses_widen8(d, plgpu.InterpretGPUParams())
-    assert kd._uses_widen8(d, False, alt_layout=True)
     for flags in (dict(p_direct=True), dict(p_concat=True), dict(k_chunks=2),
                   dict(widen8=False)):
         assert not kd._uses_widen8(TC(**flags), False), flags
