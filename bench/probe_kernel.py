@@ -58,17 +58,14 @@ def ablations(kb, G, which="where"):
                  False),
                 ("reload lean", r(reload_codes=True, lean_values=True), False)]
     if which == "wg":  # warpgroups per block (ptxas's register cap: W = 3 -> 168)
-        rows = [("default", d, False)]
-        for W in (3,):
-            dw = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                                  wg_per_block=W)
-            rows.append((f"W{W} S{dw.num_splits}", dw, False))
-            for S in (6, 12):
-                if S != dw.num_splits and W == 3:
-                    rows.append((f"W{W} S{S}", dataclasses.replace(dw, num_splits=S), False))
-        rows.append(("W3 fold_k", dataclasses.replace(rows[1][1], fold_k=True), False))
-        rows.append(("W3 st3", dataclasses.replace(rows[1][1], stages=3), False))
-        rows.append(("W3 compute-only", dataclasses.replace(rows[1][1], skip="loads"), False))
+        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                              wg_per_block=3)
+        rows = [("default", d, False), (f"W3 S{d3.num_splits}", d3, False)]
+        rows += [(f"W3 S{S}", dataclasses.replace(d3, num_splits=S), False)
+                 for S in (6, 12) if S != d3.num_splits]
+        rows.append(("W3 fold_k", dataclasses.replace(d3, fold_k=True), False))
+        rows.append(("W3 st3", dataclasses.replace(d3, stages=3), False))
+        rows.append(("W3 compute-only", dataclasses.replace(d3, skip="loads"), False))
         return rows
     if which == "i8":  # the key product on int8 tensor cores (K = 32)
         d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
