@@ -74,6 +74,16 @@ def ablations(kb, G, which="where"):
                 ("int8_keys W3", dataclasses.replace(d3, int8_keys=True), False),
                 ("int8_keys compute-only", r(int8_keys=True, skip="loads"), False),
                 ("compute-only", r(skip="loads"), False)]
+    if which == "f8":  # the value product on fp8 tensor cores (K = 32), with and without int8 keys
+        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
+                ("fp8_values", r(fp8_values=True), False),
+                ("int8_keys fp8_values", r(int8_keys=True, fp8_values=True), False),
+                ("i8k f8v S12", r(int8_keys=True, fp8_values=True, num_splits=12), False),
+                ("i8k f8v stages3", r(int8_keys=True, fp8_values=True, stages=3), False),
+                ("i8k f8v compute-only", r(int8_keys=True, fp8_values=True, skip="loads"),
+                 False),
+                ("i8k f8v pipeline-only", r(int8_keys=True, fp8_values=True, skip="compute"),
+                 False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -123,7 +133,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8")
+                    "| lean | wg | i8 | f8")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

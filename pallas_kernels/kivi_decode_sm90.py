@@ -146,6 +146,14 @@ class TuningConfig:
       (scale max_c |q * s_g| / 127, `int8_prep`), scores = int32 accumulator * scale / field
       weight + q . z_g. Costs precision: q * s_g carries ~7 bits (see docs/performance.md; the
       twin models it with `int8_keys=True`). Replaces fold_k where both are set.
+    fp8_values: the value product on fp8 tensor cores (wgmma K = 32: half the value wgmmas) at
+      G = D, opt-in: A = the value code field as an e4m3 *subnormal* straight from the code
+      bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
+      code * weight * 2^-9: one and per four elements, one shift per word for the upper
+      nibble, no offset), B = e4m3(P * s_t * 2^8 / weight). P * s_t stays <= 1 because the
+      softmax's running max is taken over logit + ln s_t (`_fp8_prep`: P = B / s_t for the
+      sum and the minimums' term). Costs precision: B carries 4 significant bits (see
+      docs/performance.md; the twin models it with `fp8_values=True`). Replaces fold_v.
     wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
       own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
       The point is the register cap: ptxas fits a block of W warpgroups in the register file
@@ -173,6 +181,7 @@ class TuningConfig:
     widen8: bool = True
     wg_per_block: int = 1
     int8_keys: bool = False
+    fp8_values: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -220,6 +229,14 @@ def _int8_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bo
     return bool(tuning.int8_keys and group_size >= 128 and head_dim == 128)
 
 
+def _fp8_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
+    """Whether the value product runs on fp8 tensor cores (`TuningConfig.fp8_values`): one
+    channel group per token (G = D, the value scale then folds into B per token) and P stored
+    through the natural-order transposed store (not p_direct / p_concat)."""
+    return bool(tuning.fp8_values and group_size == head_dim and not tuning.p_direct
+                and not tuning.p_concat)
+
+
 def _folds_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
     """Whether the key scale is folded into q in fp16 (`TuningConfig.fold_k`): a 64-token plane
     in one group and at most two groups per 256-token sub-step (the per-group work, an [N, D]
@@ -253,7 +270,9 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
         fold = ngs * padded_heads * D * 2 + D * padded_heads * 4 + PLANE * D
     W = tuning.wg_per_block
     red = _RED_SCRATCH * 4 if W > 1 else 0  # per-warpgroup reduction scratch (f32)
-    per_wg = tuning.stages * step + 2 * TS * padded_heads + 2 * padded_heads * D * 3 + fold + red
+    p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
+    per_wg = (tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3
+              + fold + red)
     return W * per_wg + 4096
 
 
@@ -495,17 +514,30 @@ def _s8_field_spec(bits: int, j: int):
     return 1, ((1 << bits) - 1) << (lo - 1), 1 << (lo - 1)
 
 
-def _s8_field(x8, bits: int, j: int):
-    """Code field j of a (64, X) uint8 tile in the 8-bit WGMMA layout as the s8 operand
-    code * weight (`_s8_field_spec`): one and (plus one shift for a top field) per register of
-    four bytes. Not interpretable (inline Mosaic GPU)."""
-    shift, mask, _ = _s8_field_spec(bits, j)
+def _f8_field_spec(bits: int, j: int):
+    """(shift, mask, weight) of value code field j as an e4m3 subnormal: (byte >> shift) & mask
+    is a byte b <= 15, which e4m3 reads as b * 2^-9 = code * weight * 2^-9 (the subnormals and
+    the first binade share the spacing 2^-9, so bytes 0..15 are exactly linear). Fields of the
+    upper nibble are shifted down by four first."""
+    lo = bits * j
+    shift = lo - lo % 4
+    return shift, ((1 << bits) - 1) << (lo - shift), 1 << (lo - shift)
+
+
+def _code_field8(x8, spec, dtype):
+    """Code field (shift, mask, _) = spec of a (64, X) uint8 tile in the 8-bit WGMMA layout as
+    the 8-bit A operand of `dtype` (int8: `_s8_field_spec`, float8_e4m3fn: `_f8_field_spec`):
+    one and (plus one shift for a shifted field) per register of four bytes. Not interpretable
+    (inline Mosaic GPU)."""
+    shift, mask, _ = spec
     W8 = plgpu.Layout.WGMMA_8BIT
+    signed = True if jnp.dtype(dtype) == jnp.int8 else None
 
     @plgpu.inline_mgpu(arg_types=(W8,),
-                       return_type=plgpu.ShapeDtypeStruct(x8.shape, jnp.int8, layout=W8))
+                       return_type=plgpu.ShapeDtypeStruct(x8.shape, dtype, layout=W8))
     def field(_, xa):
         i32 = ir.IntegerType.get_signless(32)
+        elt = ir.IntegerType.get_signless(8) if signed else ir.Float8E4M3FNType.get()
         out = np.empty(xa.registers.shape, dtype=object)
         for idx in np.ndindex(xa.registers.shape):
             reg = xa.registers[idx]
@@ -513,10 +545,19 @@ def _s8_field(x8, bits: int, j: int):
             if shift:
                 w = arith.shrui(w, _i32(shift))
             w = arith.andi(w, _i32(mask * 0x01010101))
-            out[idx] = mgpu_utils.bitcast(w, reg.type)
-        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=True)
+            out[idx] = mgpu_utils.bitcast(w, ir.VectorType.get(ir.VectorType(reg.type).shape,
+                                                               elt))
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=signed)
 
     return field(x8)
+
+
+def _code_field8_reference(x8, spec, dtype):
+    """`_code_field8` in jnp (the interpreter's path): x8 (64, X) uint8."""
+    shift, mask, _ = spec
+    f = ((x8.astype(jnp.int32) >> shift) & mask).astype(jnp.uint8)
+    return f.astype(jnp.int8) if jnp.dtype(dtype) == jnp.int8 else lax.bitcast_convert_type(
+        f, dtype)
 
 
 def _int8_prep_native(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref):
@@ -671,7 +712,8 @@ def _make_kernel(
     i8k = _int8_keys(tuning, G, D)
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
-    fv = _folds_values(tuning, G, D)
+    f8v = _fp8_values(tuning, G, D)
+    fv = _folds_values(tuning, G, D) and not f8v
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -683,6 +725,7 @@ def _make_kernel(
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
     extra_names = (["qt_s", "bq_s", "bar2"] if fold else
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
+    extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -892,13 +935,35 @@ def _make_kernel(
             def k_field8(v, p, cache):
                 """int8_keys: key code field of plane p as the s8 A operand (64 tokens, D)."""
                 r = p // Pk
+                spec = _s8_field_spec(key_bits, p % Pk)
                 if interpret:
-                    x = v["kcodes"](r, 0)[...].astype(jnp.int32)
-                    shift, mask, _ = _s8_field_spec(key_bits, p % Pk)
-                    return ((x >> shift) & mask).astype(jnp.int8)
+                    return _code_field8_reference(v["kcodes"](r, 0)[...], spec, jnp.int8)
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
                     cache[r] = plgpu.load(v["kcodes"](r, 0), (), layout=plgpu.Layout.WGMMA_8BIT)
-                return _s8_field(cache[r], key_bits, p % Pk)
+                return _code_field8(cache[r], spec, jnp.int8)
+
+            def v_field8(v, p, m, cache):
+                """fp8_values: value code field of plane p, channel tile m, as the e4m3 A
+                operand (64 channels, 64 tokens) = code * weight * 2^-9 (`_f8_field_spec`)."""
+                r = (p // Pv, m)
+                spec = _f8_field_spec(value_bits, p % Pv)
+                if interpret:
+                    return _code_field8_reference(v["vcodes"](*r)[...], spec, jnp.float8_e4m3fn)
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
+                    cache[r] = plgpu.load(v["vcodes"](*r), (), layout=plgpu.Layout.WGMMA_8BIT)
+                return _code_field8(cache[r], spec, jnp.float8_e4m3fn)
+
+            def fp8_prep(v):
+                """fp8_values: per plane, the (64, N) broadcasts of ln s_t, 1 / s_t and z_t
+                (s_t clamped to 2^-24 so that a zero scale stays finite)."""
+                out = []
+                for p in range(planes):
+                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
+                    s1 = jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24)
+                    bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
+                    out.append((bc(jnp.log(s1)), bc(1.0 / s1), bc(zv.astype(jnp.float32))))
+                return out
 
             def scores(v):
                 """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
@@ -984,6 +1049,9 @@ def _make_kernel(
                 st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
                                 -jnp.inf)
                       for p, x in enumerate(scores(v))]
+                if f8v:  # the running max over logit + ln s_t keeps B = P * s_t <= 1
+                    f8 = fp8_prep(v)
+                    st = [x + f8[p][0] for p, x in enumerate(st)]
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
@@ -992,6 +1060,8 @@ def _make_kernel(
                 mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
                 ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
                 ps = [jnp.exp(x - mb) for x in st]
+                if f8v:  # ps: B = P * s_t for the product, P = B / s_t for the sums
+                    bs, ps = ps, [x * f8[p][1] for p, x in enumerate(ps)]
                 l_t = l_t * ab
                 for x in ps:
                     l_t = l_t + x
@@ -1001,6 +1071,12 @@ def _make_kernel(
                 corr = None
                 if fv:
                     corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
+                if f8v:  # B = e4m3(P * s_t * 2^8 / weight) of every plane, sum_t P * z_t
+                    zaccs = (zaccs[0] * ab + sum(x * f8[p][2] for p, x in enumerate(ps)),)
+                    for p in range(planes):
+                        scale = 256.0 / _f8_field_spec(value_bits, p % Pv)[2]
+                        x16 = (bs[p] * scale).astype(f16)
+                        p_s.at[p].T[...] = plgpu.layout_cast(x16, _WGT).astype(p_s.dtype)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
                 # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
@@ -1013,12 +1089,14 @@ def _make_kernel(
                     p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
                     pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
                 else:
-                    if not fv:
+                    if not (fv or f8v):
                         for p in range(planes):
                             _store_p(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
                 plgpu.commit_smem()
-                vt = functools.partial(v_codes, raw=True) if fv else v_tile
+                vt = (v_field8 if f8v else functools.partial(v_codes, raw=True) if fv else
+                      v_tile)
+                vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
                 if stage_smem:
                     new = []
@@ -1026,9 +1104,9 @@ def _make_kernel(
                         def pv(acc, mt=mt):
                             cache = {}  # values loaded in one scope must not leak into another
                             for p in range(planes):
-                                vd_s[...] = vt(v, p, mt, cache)
+                                vd[...] = vt(v, p, mt, cache)
                                 plgpu.commit_smem()
-                                plgpu.wgmma(acc, vd_s, pb(p))
+                                plgpu.wgmma(acc, vd, pb(p))
                                 plgpu.wgmma_wait(0)
                             return acc[...]
                         new.append(accs[mt] + pl.run_scoped(
@@ -1085,7 +1163,7 @@ def _make_kernel(
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             a0 = tuple(zero() for _ in range(mtiles))
-            z0 = (zero(),) if fv else ()  # fv: sum_t P * z_t
+            z0 = (zero(),) if fv or f8v else ()  # fv, f8v: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
                 blk = lambda i: first + lax.rem(i, 2)
@@ -1108,9 +1186,9 @@ def _make_kernel(
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
             ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
-            if fv:  # the minimums' term
+            if fv or f8v:  # the minimums' term (f8v: the codes' product carries a factor 1/2)
                 zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
-                accs = [a + zs for a in accs]
+                accs = [(a * 2.0 if f8v else a) + zs for a in accs]
             for mt in range(mtiles):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
             lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
@@ -1131,7 +1209,9 @@ def _make_kernel(
     per_wg = lambda *shape: (W, *shape) if W > 1 else shape
     scratch = {
         "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
-        "p_s": (plgpu.SMEM(per_wg(planes, PLANE, NP), f16, transforms=_swz(f16, NP))
+        "p_s": (plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
+                           transforms=_swz(jnp.float8_e4m3fn, PLANE)) if f8v else
+                plgpu.SMEM(per_wg(planes, PLANE, NP), f16, transforms=_swz(f16, NP))
                 if tuning.p_direct else
                 plgpu.SMEM(per_wg(NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat
                 else plgpu.SMEM(per_wg(planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
@@ -1158,6 +1238,9 @@ def _make_kernel(
                              transforms=_swz(jnp.int8, 128)),
             st8_s=plgpu.SMEM(per_wg(NGS, 2, NP), jnp.float32),  # sigma_g and q . z_g per head
             bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
+    if f8v:  # the interpreter's SMEM-staged e4m3 A operand (a placeholder natively)
+        scratch["vd8_s"] = plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64),
+                                      jnp.float8_e4m3fn, transforms=_swz(jnp.float8_e4m3fn, 64))
     if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
@@ -1358,6 +1441,21 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
                         stage_smem=interpret is not False)
 
 
+def _running_max(x, tuning: TuningConfig):
+    """x [..., Tq] -> the kernel's running max at every position: the max over the position's
+    split up to the end of its sub-step (splits of ceil(steps / S) steps of block_tokens,
+    sub-steps of min(block_tokens, sub_tokens) tokens)."""
+    Tq = x.shape[-1]
+    TS = tuning.block_tokens
+    SUB = min(TS, tuning.sub_tokens)
+    sps = -(-(Tq // TS) // tuning.num_splits)  # steps per split
+    sub_max = x.reshape(*x.shape[:-1], Tq // SUB, SUB).max(axis=-1)
+    per = sps * TS // SUB  # sub-steps per split
+    run = jnp.concatenate([lax.cummax(sub_max[..., a:a + per], axis=sub_max.ndim - 1)
+                           for a in range(0, Tq // SUB, per)], axis=-1)
+    return jnp.repeat(run, SUB, axis=-1)
+
+
 def _unpack_layer(codes, bits, axis):
     from kivi_jax.quant import unpack  # the packing rule is defined once, in kivi_jax.quant
 
@@ -1365,16 +1463,20 @@ def _unpack_layer(codes, bits, axis):
 
 
 @functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale",
-                                             "int8_keys"))
+                                             "int8_keys", "fp8_values", "tuning"))
 def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
                           *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-                          tuning=None, interpret=False, int8_keys: bool = False):
+                          tuning=None, interpret=False, int8_keys: bool = False,
+                          fp8_values: bool = False):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
     outputs as `kivi_decode` (tuning/interpret ignored). int8_keys: q * s_g rounded to int8 per
     group and head as the kernel does with `TuningConfig.int8_keys` (scale max_c |q * s_g| /
-    127, rounding half to even)."""
-    del tuning, interpret
+    127, rounding half to even). fp8_values (G = D): P * s_t rounded to e4m3 through fp16 as the
+    kernel does with `TuningConfig.fp8_values`, relative to the kernel's running max of
+    logit + ln s_t (per split, updated every sub-step; `tuning` gives the splits and sub-steps,
+    default `choose_tuning`'s), so the rounding is the kernel's up to f32 arithmetic."""
+    del interpret
     L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                          num_tokens, layer, key_bits, value_bits, group_size)
     G, nq = group_size, Hq // Hkv
@@ -1404,6 +1506,27 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     tot = p.sum(axis=-1)
     # values: P'_c = p * s_v[t, c] per channel group c, bias = sum_t p * z_v[t, c]
     pg = p[:, :, :, None, :] * vs[:, :, None]  # [B,H,nq,D/G,Tq]
+    if fp8_values:
+        if G != D:
+            raise ValueError(f"fp8_values needs group_size == head_dim, got G={G}, D={D}")
+        if tuning is None:
+            tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
+                                   group_size=G, head_dim=D)
+        s1 = jnp.maximum(vs[:, :, 0], 2.0 ** -24)[:, :, None]  # [B,H,1,Tq]
+        lg = logits + jnp.log(s1)
+        ref = _running_max(lg, tuning)  # the kernel's reference point of every token
+        seen = jnp.isfinite(ref)  # positions before a split's first valid token: masked
+        ref = jnp.where(seen, ref, 0.0)
+        bt = jnp.exp(lg - ref)  # P * s_t <= 1 against the running max
+        mx = lg.max(axis=-1)
+        safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        rescale = jnp.where(seen, jnp.exp(ref - safe[..., None]), 0.0)  # the kernel's alphas
+        p = bt / s1 * rescale
+        tot = p.sum(axis=-1)
+        wgt = np.array([_f8_field_spec(value_bits, (t // PLANE) % (8 // value_bits))[2]
+                        for t in range(Tq)], np.float32)
+        b8 = (bt * (256.0 / wgt)).astype(jnp.float16).astype(jnp.float8_e4m3fn)
+        pg = (b8.astype(f32) * (wgt / 256.0) * rescale)[:, :, :, None, :]
     vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)
     o = jnp.einsum("bhncT,bhcgT->bhncg", pg, vcg, precision="highest")
     o = o + jnp.einsum("bhnT,bhcT->bhnc", p, vz, precision="highest")[..., None]

@@ -30,6 +30,23 @@ ON_GPU = jax.default_backend() == "gpu"
 # sub-step (measured ~6e-4 at 2 bits, bench/fold_error.py). bf16 q is converted to fp16
 # inside, so both query dtypes get the same bound.
 TOL = {jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.bfloat16): 4e-3}
+# fp8_values: the twin rounds P * s_t to e4m3 against the kernel's own running max, but the
+# logits reach that rounding through different f32 (or fp16-operand) arithmetic, so a weight
+# near a rounding boundary can land one e4m3 step (2^-4 relative) away: measured up to 2.4e-3
+# of max |o| under the interpreter. A wrong field weight, scale or rescale is off by O(1).
+TOL_F8 = 1e-2
+
+
+def twin_flags(tun, G, D):
+    """The twin's model of the kernel's opt-in roundings under tuning `tun` (None: default)."""
+    if tun is None:
+        return {}
+    f8 = kd._fp8_values(tun, G, D)
+    return dict(int8_keys=kd._int8_keys(tun, G, D), fp8_values=f8, tuning=tun if f8 else None)
+
+
+def tol_for(tun, G, D, dtype):
+    return TOL_F8 if tun is not None and kd._fp8_values(tun, G, D) else TOL[jnp.dtype(dtype)]
 
 
 def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G):
@@ -120,8 +137,8 @@ def _run_case(case, seed, interpret):
 
         assert not ipc.get_races().races_found, "GPU interpreter detected a data race"
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw,
-                                        int8_keys=kd._int8_keys(tun, G, D))
-    compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
+                                        **twin_flags(tun, G, D))
+    compare(o, lse, ro, rlse, tol_for(tun, G, D, dt))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -192,11 +209,19 @@ FLAG_CASES = [
      TC(256, 1, 2, int8_keys=True, fold_v=False)),
     (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
      TC(256, 2, 2, int8_keys=True, wg_per_block=3)),
+    # fp8_values: the value product on fp8 tensor cores (against the twin's e4m3 model of
+    # P * s_t), alone and with int8 keys, 2 and 4 bits, D = G = 64, two warpgroups
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, fp8_values=True)),
+    (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
+     TC(256, 1, 2, int8_keys=True, fp8_values=True)),
+    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TC(256, 2, 2, fp8_values=True)),
+    (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, int8_keys=True, fp8_values=True, wg_per_block=2)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
-            f"-i8k{int(c[-1].int8_keys)}"
+            f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}"
             for c in FLAG_CASES]
 
 
@@ -277,6 +302,49 @@ def test_int8_key_gating():
             byte = code << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
             val = (byte >> shift) & mask
             assert val < 128 and val == code * weight, (p, code)
+
+
+def test_fp8_value_gating_and_fields():
+    """fp8_values applies at G = D (the value scale folds into B per token), is opt-in and
+    replaces fold_v; every code of every field, masked in place, is the e4m3 number
+    code * weight * 2^-9 (bytes 0..15: e4m3's subnormals and first binade, spacing 2^-9)."""
+    on = TC(fp8_values=True)
+    assert kd._fp8_values(on, 128, 128) and kd._fp8_values(on, 64, 64)
+    assert not kd._fp8_values(on, 64, 128) and not kd._fp8_values(on, 32, 128)
+    assert not kd._fp8_values(TC(), 128, 128)
+    assert not kd._fp8_values(TC(fp8_values=True, p_direct=True), 128, 128)
+    f8 = jnp.float8_e4m3fn
+    for bits in (2, 4):
+        for j in range(8 // bits):
+            _, _, weight = kd._f8_field_spec(bits, j)
+            codes = np.arange(2 ** bits)
+            # the field in place, every other bit of the byte set: the mask must clear them
+            byte = codes << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
+            x8 = jnp.asarray(np.broadcast_to(byte.astype(np.uint8), (4, len(codes))))
+            val = np.asarray(kd._code_field8_reference(x8, kd._f8_field_spec(bits, j), f8)
+                             .astype(jnp.float32))[0]
+            np.testing.assert_array_equal(val, codes * weight * 2.0 ** -9, err_msg=f"{bits} {j}")
+
+
+def test_fp8_twin_running_max_is_the_kernels():
+    """The twin's reference points: per split, the running max up to the end of each sub-step;
+    with one split of one sub-step it is the plain max. Both forms give the same attention up
+    to e4m3 rounding, so the twin with fp8_values stays within TOL_F8 of the exact twin."""
+    sub_max = np.array([3., 5., 2., 7., 1., 0.])  # six 256-token steps, splits of three
+    x = np.repeat(sub_max, 256) - np.tile(np.arange(256.0), 6)  # step max at its first token
+    run = kd._running_max(jnp.asarray(x[None]), TC(block_tokens=256, num_splits=2))
+    np.testing.assert_array_equal(np.asarray(run)[0], np.repeat([3., 5., 5., 7., 7., 7.], 256))
+    case = (2, 4, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 77), 1, TC(256, 2, 2))
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, tun = case
+    cache = make_cache(5, 3, B, Hkv, D, Tq, kb, vb, G)
+    q = make_q(6, B, Hq, D, dt)
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
+    nt = jnp.asarray(lengths, jnp.int32)
+    exact = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
+    f8 = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw, fp8_values=True,
+                                  tuning=tun)
+    compare(*f8, *exact, 5 * TOL_F8)
+    assert np.abs(np.asarray(f8[0]) - np.asarray(exact[0])).max() > 0  # it does round
 
 
 def test_choose_tuning_warpgroups_per_block():
@@ -378,6 +446,12 @@ GPU_CASES = [  # larger shapes, native production variant
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, int8_keys=True)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, int8_keys=True, fold_v=False)),
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, int8_keys=True, wg_per_block=3)),
+    # fp8_values (against the twin's e4m3 model of P * s_t), alone and with int8 keys
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, fp8_values=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, int8_keys=True, fp8_values=True)),
+    (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, fp8_values=True, wg_per_block=3)),
+    (8, 32, 8, 128, 32768, 2, 2, 128, jnp.bfloat16,
+     TC(256, 8, 2, int8_keys=True, fp8_values=True)),
 ]
 
 
@@ -413,6 +487,5 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
-        k: v for k, v in kw.items() if k != "tuning"},
-        int8_keys=tun is not None and kd._int8_keys(tun, G, D))
-    compare(o, lse, ro, rlse, TOL[jnp.dtype(dt)])
+        k: v for k, v in kw.items() if k != "tuning"}, **twin_flags(tun, G, D))
+    compare(o, lse, ro, rlse, tol_for(tun, G, D, dt))
