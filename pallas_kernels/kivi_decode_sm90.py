@@ -1126,7 +1126,17 @@ def _make_kernel(
                             elif not tuning.overlap:
                                 plgpu.wgmma_wait(0)
                         plgpu.wgmma_wait(0)
-                    accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+                    if f8v:
+                        # Hopper's fp8 wgmma accumulates with ~14 significant bits (DeepSeek-V3,
+                        # sec. 3.3.2; measured here: the error grew with the context, run 24):
+                        # a sub-step's product goes into fresh accumulators, added in f32.
+                        def fresh(*refs):
+                            pv(refs)
+                            return [a[...] for a in refs]
+                        new = pl.run_scoped(fresh, *[plgpu.ACC((PLANE, NP), jnp.float32)] * mtiles)
+                        accs = tuple(a + x for a, x in zip(accs, new, strict=True))
+                    else:
+                        accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
                 if corr is not None:  # the code fields' offsets, subtracted every sub-step
                     accs = tuple(a + corr for a in accs)
                 return m_new, l_t, accs, zaccs
