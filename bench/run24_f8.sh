@@ -5,8 +5,8 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -m gpu tests/test_kivi_decode_sm90.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-timeout 120 python3 bench/lowbit_error.py --kernel --ts 8192,32768 2>&1 | tail -10 | tee "$OUT/lowbit_error.txt"
+timeout 240 python3 -m pytest -q -m gpu tests/test_kivi_decode_sm90.py ${PYK:+-k "$PYK"} 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+timeout 120 python3 bench/lowbit_error.py --kernel --ts ${TS:-8192,32768} 2>&1 | tail -10 | tee "$OUT/lowbit_error.txt"
 mkdir -p /tmp/ptx
 MOSAIC_GPU_DUMP_TO=/tmp/ptx MOSAIC_GPU_DUMP_PTXAS=1 timeout ${PROBE_S:-200} python3 bench/probe_kernel.py \
   --set f8 --pairs ${PAIRS:-2:128,4:128} --only "${ONLY:-default,int8_keys,fp8_values,int8_keys fp8_values}" \
