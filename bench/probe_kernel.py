@@ -75,7 +75,13 @@ def ablations(kb, G, which="where"):
                 ("int8_keys compute-only", r(int8_keys=True, skip="loads"), False),
                 ("compute-only", r(skip="loads"), False)]
     if which == "f8":  # the value product on fp8 tensor cores (K = 32), with and without int8 keys
+        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                              wg_per_block=3)
+        both3 = dataclasses.replace(d3, int8_keys=True, fp8_values=True)
         return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
+                (f"i8k f8v W3 S{d3.num_splits}", both3, False),
+                ("i8k f8v W3 S12", dataclasses.replace(both3, num_splits=12), False),
+                ("f8v W3", dataclasses.replace(d3, fp8_values=True), False),
                 ("fp8_values", r(fp8_values=True), False),
                 ("int8_keys fp8_values", r(int8_keys=True, fp8_values=True), False),
                 ("i8k f8v S12", r(int8_keys=True, fp8_values=True, num_splits=12), False),
@@ -84,6 +90,21 @@ def ablations(kb, G, which="where"):
                  False),
                 ("i8k f8v pipeline-only", r(int8_keys=True, fp8_values=True, skip="compute"),
                  False)]
+    if which == "f8b":  # int8_keys + fp8_values: splits, floors, bigger copies (run 26)
+        both = r(int8_keys=True, fp8_values=True)
+        b = lambda **k: dataclasses.replace(both, **k)
+        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                              wg_per_block=3)
+        both3 = dataclasses.replace(d3, int8_keys=True, fp8_values=True)
+        rows = [(f"i8k f8v S{S}", b(num_splits=S), False) for S in (6, 8, 12, 16, 18, 24)]
+        return rows + [
+            ("i8k f8v S12 compute-only", b(num_splits=12, skip="loads"), False),
+            ("i8k f8v S12 pipeline-only", b(num_splits=12, skip="compute"), False),
+            ("i8k f8v S12 512", b(num_splits=12, block_tokens=512), False),
+            ("i8k f8v S8 512", b(num_splits=8, block_tokens=512), False),
+            ("i8k f8v W3 S6", both3, False),
+            ("i8k f8v W3 S6 compute-only", dataclasses.replace(both3, skip="loads"), False),
+            ("i8k f8v W3 S6 pipeline-only", dataclasses.replace(both3, skip="compute"), False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -133,7 +154,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8")
+                    "| lean | wg | i8 | f8 | f8b")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
