@@ -152,6 +152,8 @@ def main():
     ap.add_argument("--G", type=int, default=128)
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
+    ap.add_argument("--flags", default="",
+                    help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
                     "| lean | wg | i8 | f8 | f8b")
@@ -161,6 +163,9 @@ def main():
     B, Hq, Hkv, D, T = 8, 32, 8, 128, a.T
     if a.mode == "one":
         tun = kd.choose_tuning(B, Hkv, T, key_bits=a.kb, value_bits=a.kb, group_size=a.G)
+        for kv in filter(None, a.flags.split(",")):  # TuningConfig overrides, e.g. stages=3
+            k, v = kv.split("=")
+            tun = dataclasses.replace(tun, **{k: type(getattr(tun, k))(int(v))})
         cache = da.make_cache(jax.random.key(0), 1, B, Hkv, D, T, a.kb, a.kb, a.G)
         q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
         nt = jnp.full((B,), T, jnp.int32)
