@@ -105,6 +105,13 @@ def ablations(kb, G, which="where"):
             ("i8k f8v W3 S6", both3, False),
             ("i8k f8v W3 S6 compute-only", dataclasses.replace(both3, skip="loads"), False),
             ("i8k f8v W3 S6 pipeline-only", dataclasses.replace(both3, skip="compute"), False)]
+    if which == "f8c":  # final: each flag, both at choose_tuning's launch parameters (run 28)
+        fast = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                                int8_keys=True, fp8_values=True)
+        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
+                ("fp8_values", r(fp8_values=True), False),
+                (f"int8_keys fp8_values S{fast.num_splits}", fast, False),
+                ("int8_keys fp8_values S12", dataclasses.replace(fast, num_splits=12), False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -156,7 +163,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b")
+                    "| lean | wg | i8 | f8 | f8b | f8c")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

@@ -280,6 +280,7 @@ def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
     block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
+    int8_keys: bool = False, fp8_values: bool = False,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -297,6 +298,10 @@ def choose_tuning(
     against W=3 in one process): 2-bit G=32 with B * Hkv * T >= 2^22 takes W=3 (+5-7%: B=8
     T=128k 0.389 -> 0.361 ms, B=32 T=32k/128k); below that W=3 loses (up to -15% at B=8
     T=8k), and at G=128 (2/4-bit) it is even or slower, so those keep W=1.
+    `int8_keys` / `fp8_values` set those opt-in flags (where they apply). With both, the kernel
+    needs 149-167 registers (runs 25-26), so three blocks of 128 threads fit an SM's register
+    file where the shared memory allows (2-bit G=128: S=6-18 within 2% at B=8 T=128k, run 26;
+    4-bit: two blocks by shared memory, S=8 best).
     """
     if wg_per_block is None:
         big = batch * kv_heads * max_tokens >= 1 << 22
@@ -308,7 +313,7 @@ def choose_tuning(
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
     base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages,
-                        wg_per_block=wg_per_block)
+                        wg_per_block=wg_per_block, int8_keys=int8_keys, fp8_values=fp8_values)
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
                              group_size=group_size, head_dim=head_dim, padded_heads=8)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
@@ -318,8 +323,10 @@ def choose_tuning(
     smem = size(base)
     if wg_per_block > 1:  # one block per SM, W splits in it
         slots = num_sms * wg_per_block
-    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM
-        slots = num_sms * max(1, min(2, (227 * 1024) // smem))
+    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM,
+        # 149-167 with both low-precision products (runs 25-26) 3
+        lean = _int8_keys(base, group_size, head_dim) and _fp8_values(base, group_size, head_dim)
+        slots = num_sms * max(1, min(3 if lean else 2, (227 * 1024) // smem))
     bh = batch * kv_heads
     costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
     best = min(costs.values())
@@ -954,15 +961,19 @@ def _make_kernel(
                 return _code_field8(cache[r], spec, jnp.float8_e4m3fn)
 
             def fp8_prep(v):
-                """fp8_values: per plane, the (64, N) broadcasts of ln s_t, 1 / s_t and z_t
-                (s_t clamped to 2^-24 so that a zero scale stays finite)."""
+                """fp8_values (logits in log2 units): per plane p (field weight w), the (64, N)
+                broadcasts of log2 s_t, u = w / (256 s_t) and z_t * u, with s_t clamped to
+                2^-24 so that a zero scale stays finite. The B operand is then
+                B' = 2^(logit + log2 s_t - m + 8 - log2 w) = P * s_t * 256 / w, and P = B' * u,
+                P * z_t = B' * (z_t * u): one fma each for the sums."""
                 out = []
                 for p in range(planes):
                     sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
                     zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
                     s1 = jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24)
+                    u = (_f8_field_spec(value_bits, p % Pv)[2] / 256.0) / s1
                     bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
-                    out.append((bc(jnp.log(s1)), bc(1.0 / s1), bc(zv.astype(jnp.float32))))
+                    out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
                 return out
 
             def scores(v):
@@ -1049,34 +1060,41 @@ def _make_kernel(
                 st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
                                 -jnp.inf)
                       for p, x in enumerate(scores(v))]
-                if f8v:  # the running max over logit + ln s_t keeps B = P * s_t <= 1
+                if f8v:  # the running max over logit + log2 s_t keeps B = P * s_t <= 1
                     f8 = fp8_prep(v)
                     st = [x + f8[p][0] for p, x in enumerate(st)]
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
                 m_new = jnp.maximum(m_run, red(tmax, "max"))
-                alpha = jnp.exp(m_run - m_new)
-                mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
+                exp_ = jnp.exp2 if f8v else jnp.exp  # f8v: logits in log2 units (`_kivi_decode`)
+                alpha = exp_(m_run - m_new)
                 ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
-                ps = [jnp.exp(x - mb) for x in st]
-                if f8v:  # ps: B = P * s_t for the product, P = B / s_t for the sums
-                    bs, ps = ps, [x * f8[p][1] for p, x in enumerate(ps)]
-                l_t = l_t * ab
-                for x in ps:
-                    l_t = l_t + x
+                if f8v:  # B' = P * s_t * 256 / w (the scale folded into the exponent), f32 sums
+                    bs = []
+                    for p, x in enumerate(st):
+                        c = 8.0 - np.log2(_f8_field_spec(value_bits, p % Pv)[2])
+                        bs.append(jnp.exp2(x - lax.broadcast_in_dim(m_new - c, (PLANE, NP), [1])))
+                    l_t, zacc = l_t * ab, zaccs[0] * ab
+                    for p, x in enumerate(bs):
+                        l_t, zacc = l_t + x * f8[p][1], zacc + x * f8[p][2]
+                    zaccs = (zacc,)
+                else:
+                    mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
+                    ps = [jnp.exp(x - mb) for x in st]
+                    l_t = l_t * ab
+                    for x in ps:
+                        l_t = l_t + x
                 accs = tuple(a * ab for a in accs)
                 if tuning.skip == "values":
                     return m_new, l_t, accs, zaccs
                 corr = None
                 if fv:
                     corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
-                if f8v:  # B = e4m3(P * s_t * 2^8 / weight) of every plane, sum_t P * z_t
-                    zaccs = (zaccs[0] * ab + sum(x * f8[p][2] for p, x in enumerate(ps)),)
+                if f8v:  # the B operand of every plane: e4m3 (through fp16) of B'
                     for p in range(planes):
-                        scale = 256.0 / _f8_field_spec(value_bits, p % Pv)[2]
-                        x16 = (bs[p] * scale).astype(f16)
-                        p_s.at[p].T[...] = plgpu.layout_cast(x16, _WGT).astype(p_s.dtype)
+                        x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)
+                        p_s.at[p].T[...] = x16.astype(p_s.dtype)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
                 # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
@@ -1201,7 +1219,11 @@ def _make_kernel(
                 accs = [(a * 2.0 if f8v else a) + zs for a in accs]
             for mt in range(mtiles):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
-            lse_s[...] = jnp.where(ok, m_run + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+            if f8v:  # log2 units -> natural log
+                lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
+            else:
+                lse = m_run + jnp.log(jnp.where(ok, l, 1.0))
+            lse_s[...] = jnp.where(ok, lse, -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
             plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
@@ -1359,7 +1381,10 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
     NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
-    # sm_scale is applied in float32 before the cast to the fp16 wgmma operand.
+    # sm_scale is applied in float32 before the cast to the fp16 wgmma operand; fp8_values works
+    # in log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
+    if _fp8_values(tuning, group_size, D):
+        sm_scale = sm_scale * float(np.log2(np.e))
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).

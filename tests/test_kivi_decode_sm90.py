@@ -347,6 +347,18 @@ def test_fp8_twin_running_max_is_the_kernels():
     assert np.abs(np.asarray(f8[0]) - np.asarray(exact[0])).max() > 0  # it does round
 
 
+def test_choose_tuning_low_precision_products():
+    """choose_tuning sets the opt-in flags where asked and, with both at 2 bits, plans three
+    blocks per SM (149-167 registers, runs 25-26): fewer splits than at two blocks per SM."""
+    ct = kd.choose_tuning
+    fast = ct(8, 8, 131072, int8_keys=True, fp8_values=True)
+    assert fast.int8_keys and fast.fp8_values and fast.wg_per_block == 1
+    assert fast.num_splits == 6 and ct(8, 8, 131072).num_splits == 8
+    fast4 = ct(8, 8, 131072, key_bits=4, value_bits=4, int8_keys=True, fp8_values=True)
+    assert fast4.num_splits == 8  # two blocks per SM by shared memory
+    assert not ct(8, 8, 131072).fp8_values and not ct(8, 8, 131072).int8_keys
+
+
 def test_choose_tuning_warpgroups_per_block():
     """W = 3 only where run 20 measured it faster (2-bit G = 32, B * Hkv * T >= 2^22), and the
     W pipelines of a block fit in shared memory."""
