@@ -215,7 +215,8 @@ def test_pallas_kernel_through_decode_attention_matches_reference(config):
 
 def test_decode_attention_passes_the_kernel_tuning():
     """`tuning` reaches the Pallas kernel: an unsupported one raises there, and the opt-in int8
-    key product (G = D = 128) agrees with the reference within its documented precision."""
+    key product (G = D = 128) and fp8 value product (G = D) agree with the reference within
+    their documented precision."""
     from kivi_jax.attention import pallas_available
     from pallas_kernels.kivi_decode_sm90 import TuningConfig
 
@@ -239,3 +240,8 @@ def test_decode_attention_passes_the_kernel_tuning():
     # ~4e-2 of max |o| here against ~5e-3 with fp16 keys: the x8 outlier channel sets the int8
     # scale of q * s_g, leaving the other channels three bits fewer (docs/performance.md).
     np.testing.assert_allclose(got, ref, atol=6e-2 * np.abs(ref).max())
+    # fp8_values: P * s_t in e4m3 (4 significant bits, 2^-4 relative per weight), so the error
+    # scales with the values, not with o (zero-mean random values average to a small o): here
+    # 4e-3 of max |v| (5e-2 of max |o|); a wrong field weight or scale is off by O(max |v|).
+    got8 = np.asarray(run(TuningConfig(256, 1, 2, fp8_values=True)), np.float32)
+    np.testing.assert_allclose(got8, ref, atol=1.5e-2 * float(jnp.abs(v).max()))
