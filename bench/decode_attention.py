@@ -282,7 +282,7 @@ GRID_BITS_G = ((2, 128), (2, 32), (4, 128), (4, 32))
 
 
 def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32768),
-         bitsg=GRID_BITS_G, fp16=("cudnn", "xla"), twin=True, wgs=(None,)):
+         bitsg=GRID_BITS_G, fp16=("cudnn", "xla"), twin=True, wgs=(None,), lps=(False,)):
     # Priority order (the run is time-capped): the anchor shape at 128k first.
     points = []
     for Hq, Hkv, D in [(32, 8, 128), (64, 8, 128)]:
@@ -303,13 +303,15 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
                 fp[impl] = dict(kind=impl, **base, error=repr(e)[:300])
             rows.append(fp[impl])
             log(fp[impl])
-        for (kb, G), W in itertools.product(bitsg, wgs):
-            label = "kivi" if W is None else f"kivi-wg{W}"
+        for (kb, G), W, lp in itertools.product(bitsg, wgs, lps):
+            label = ("kivi" if W is None else f"kivi-wg{W}") + ("-i8k-f8v" if lp else "")
+            if lp and G != D:  # both low-precision products need G = D
+                continue
             try:
                 tun = kd.choose_tuning(
                     B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G,
                     block_tokens=flags.block_tokens if flags else None,
-                    stages=flags.stages if flags else 2,
+                    stages=flags.stages if flags else 2, int8_keys=lp, fp8_values=lp,
                     **({} if W is None else dict(wg_per_block=W)))
                 if flags is not None:
                     tun = dataclasses.replace(tun, p_concat=flags.p_concat)
@@ -567,6 +569,9 @@ def main():
     ap.add_argument("--wg", default="",
                     help="comma list of warpgroups per block to run side by side in the grid "
                     "(TuningConfig.wg_per_block; default: choose_tuning's choice only)")
+    ap.add_argument("--lp", default="0",
+                    help="comma list of 0 (exact products) / 1 (the opt-in int8_keys + "
+                    "fp8_values, G = D only) kernels to run side by side in the grid")
     ap.add_argument("--budget_s", type=float, default=500)
     ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
     ap.add_argument("--ptxas", action="store_true",
@@ -600,7 +605,8 @@ def main():
                  [int(h) for h in a.hq.split(",")], [int(t) for t in a.ts.split(",")],
                  [tuple(map(int, x.split(":"))) for x in a.bits_g.split(",")],
                  [x for x in a.fp16.split(",") if x], not a.no_twin,
-                 [int(w) for w in a.wg.split(",")] if a.wg else [None])
+                 [int(w) for w in a.wg.split(",")] if a.wg else [None],
+                 [bool(int(x)) for x in a.lp.split(",")])
     finally:
         with open(os.path.join(a.out, f"decode_attention_{'_'.join(modes)}.json"), "w") as f:
             json.dump(rows, f, indent=1, default=str)
