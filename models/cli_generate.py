@@ -32,7 +32,9 @@ def generate(
     group_size: int = typer.Option(32, "--group-size", help="KIVI group size G."),
     residual_length: int = typer.Option(128, "--residual-length", help="KIVI residual R."),
     implementation: str = typer.Option(
-        "auto", "--implementation", help="decode attention: auto, reference, folded, pallas."
+        "auto", "--implementation",
+        help="decode attention: auto, reference, folded, pallas, auto-lowp, pallas-lowp (the "
+        "kernel with its int8 key and fp8 value products: faster, less exact)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     stream: bool = typer.Option(

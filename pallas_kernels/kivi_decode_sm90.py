@@ -1432,7 +1432,7 @@ def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bit
 
 def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
                 key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-                tuning: TuningConfig | None = None, interpret=False):
+                tuning: TuningConfig | None = None, interpret=False, low_precision: bool = False):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
     q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
@@ -1443,9 +1443,11 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
 
     `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the SMEM-staged
-    variant under the Mosaic GPU interpreter (any backend). Raises ValueError on bad
-    shapes/dtypes or a tuning that does not fit, NotImplementedError on unsupported bits,
-    group sizes, head dims or dtypes.
+    variant under the Mosaic GPU interpreter (any backend). `low_precision`: turn on the opt-in
+    int8 key and fp8 value products (`TuningConfig.int8_keys`, `fp8_values`; they apply at
+    G = D = 128 and G = D, and change nothing elsewhere) on `tuning` or on choose_tuning's.
+    Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
+    on unsupported bits, group sizes, head dims or dtypes.
     """
     _, B, _, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                         num_tokens, layer, key_bits, value_bits, group_size)
@@ -1455,7 +1457,10 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
         interpret = False
     if tuning is None:
         tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
-                               group_size=group_size, head_dim=D)
+                               group_size=group_size, head_dim=D, int8_keys=low_precision,
+                               fp8_values=low_precision)
+    elif low_precision:
+        tuning = dataclasses.replace(tuning, int8_keys=True, fp8_values=True)
     need = max(_min_block(key_bits, value_bits), group_size)
     if tuning.block_tokens % need:
         raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "

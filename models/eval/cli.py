@@ -42,7 +42,8 @@ def ppl_cmd(
     ] = None,
     dtype: DtypeOpt = "float32",
     implementation: Annotated[
-        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas")
+        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas, "
+                          "auto-lowp, pallas-lowp")
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -112,7 +113,8 @@ def passkey_cmd(
     ] = None,
     dtype: DtypeOpt = "float32",
     implementation: Annotated[
-        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas")
+        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas, "
+                          "auto-lowp, pallas-lowp")
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
