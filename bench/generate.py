@@ -70,10 +70,14 @@ def free_bytes() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
+GROUP_SIZE = 32  # KIVI G of the caches (--group-size)
+
+
 def filled_cache(name, config, batch, context, steps, dtype, residual_length):
     """A cache with capacity context + steps whose rows hold `context` (zero) tokens."""
+    kw = {} if name == "fp16" else dict(group_size=GROUP_SIZE)
     c = G.new_cache(name, config, batch, context + steps + 1, dtype,
-                    residual_length=residual_length)
+                    residual_length=residual_length, **kw)
     return dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
 
 
@@ -107,7 +111,7 @@ def measure(params, config, cache_name, batch, context, steps, impl, dtype, resi
 def max_batch_at(params, config, cache_name, context, dtype, residual_length, impl, probe):
     """Predicted largest batch from free memory, then (probe) checked by a decode step."""
     free = free_bytes()
-    kcfg = kivi_jax.cache_config(cache_name, residual_length=residual_length)
+    kcfg = kivi_jax.cache_config(cache_name, GROUP_SIZE, residual_length=residual_length)
     shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim,
                            jnp.dtype(dtype).itemsize)
     rec = dict(model=config.name, cache=cache_name, context=context, free_bytes=free)
@@ -142,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--residual", type=int, default=128)
+    ap.add_argument("--group-size", type=int, default=32, help="KIVI group size G")
     ap.add_argument("--max-batch-context", type=int, default=32768)
     ap.add_argument("--no-max-batch", action="store_true")
     ap.add_argument("--no-probe", action="store_true", help="predict max batch, do not run it")
@@ -152,6 +157,8 @@ def main(argv=None):
 
     start = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
+    global GROUP_SIZE
+    GROUP_SIZE = args.group_size
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",") if p]
     caches = args.caches.split(",")
     impls = args.impls.split(",")
@@ -161,6 +168,7 @@ def main(argv=None):
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         weights="random (preset shapes)",
         dtype=dtype.name, steps=args.steps, residual_length=args.residual,
+        group_size=args.group_size,
         info=device_info(), points=[], max_batch=[],
     )
 
