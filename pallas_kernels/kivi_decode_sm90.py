@@ -52,6 +52,17 @@ times max_c |q * s_g| / 127 over the field weight, plus q . z_g. Faster (2-bit G
 0.328 ms) but q * s_g keeps ~7 bits, worse with key outlier channels: the twin models it
 (`kivi_decode_reference(..., int8_keys=True)`).
 
+fp8 value product (`fp8_values`, opt-in, G = D; docs/performance.md runs 24-30): the value code
+field masked in place is an e4m3 subnormal (byte b <= 15 reads as b * 2^-9), so A takes one
+`and` per four codes and no offset; B = e4m3(P * s_t * 256 / w), kept <= 256 by taking the
+softmax's running max over logit + log2 s_t (logits in log2 units in this mode). Hopper's fp8
+wgmma accumulates with ~14 significant bits, so each sub-step's product goes into fresh
+accumulators, added in f32. The twin models the rounding against the kernel's own running max
+(`kivi_decode_reference(..., fp8_values=True, tuning=...)`). With `int8_keys` both products
+take K = 32 (2-bit G=128 0.346 -> 0.268-0.275 ms, 4-bit 0.390 -> 0.326 ms) and 149-167
+registers, three blocks per SM (`choose_tuning(..., int8_keys=True, fp8_values=True)`;
+`kivi_decode(..., low_precision=True)`).
+
 Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
 block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
 (`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168) and an SM holds W

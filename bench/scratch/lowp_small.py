@@ -1,9 +1,18 @@
 """Run 30b: the kernel alone at the 16 x 4k generation shape (Tq = 4352), default against
-int8_keys + fp8_values at choose_tuning's splits and at the default's."""
-import dataclasses, os, sys
+int8_keys + fp8_values at choose_tuning's splits and at the default's.
+
+    PYTHONPATH=. python3 bench/scratch/lowp_small.py
+"""
+
+import dataclasses
+import os
+import sys
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import decode_attention as da
-from pallas_kernels import kivi_decode_sm90 as kd
+import decode_attention as da  # noqa: E402
+
+from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
+
 B, Hq, Hkv, D, T = 16, 32, 8, 128, 4352
 d = kd.choose_tuning(B, Hkv, T)
 f = kd.choose_tuning(B, Hkv, T, int8_keys=True, fp8_values=True)
