@@ -162,9 +162,11 @@ class TuningConfig:
       bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
       code * weight * 2^-9: one and per four elements, one shift per word for the upper
       nibble, no offset), B = e4m3(P * s_t * 2^8 / weight). P * s_t stays <= 1 because the
-      softmax's running max is taken over logit + ln s_t (`_fp8_prep`: P = B / s_t for the
-      sum and the minimums' term). Costs precision: B carries 4 significant bits (see
-      docs/performance.md; the twin models it with `fp8_values=True`). Replaces fold_v.
+      softmax's running max is taken over logit + log2 s_t (logits in log2 units; `fp8_prep`:
+      P = B * weight / (256 s_t) for the sum and the minimums' term, one fma each). Each
+      sub-step's product gets fresh accumulators (Hopper's fp8 accumulation keeps ~14 bits).
+      Costs precision: B carries 4 significant bits (see docs/performance.md; the twin models
+      it with `fp8_values=True`). Replaces fold_v.
     wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
       own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
       The point is the register cap: ptxas fits a block of W warpgroups in the register file
