@@ -196,6 +196,17 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
                 vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
 
 
+def override(tun, flags: str):
+    """tun with "name=value,..." TuningConfig overrides (bench scripts' --flags): ints and bools
+    as integers, strings as given."""
+    for kv in filter(None, flags.split(",")):
+        k, v = kv.split("=")
+        cur = getattr(tun, k)
+        tun = dataclasses.replace(tun, **{k: type(cur)(int(v) if isinstance(cur, (bool, int))
+                                                       else v)})
+    return tun
+
+
 def error_cases(bits, ts, B=2, Hq=32, Hkv=8, D=128, G=128):
     """The precision tables' inputs (bench/fold_error.py, bench/int8_error.py): per (bits, T,
     q std) yields (kb, T, std, q, cache, num_tokens, kernel kwargs, choose_tuning's tuning);

@@ -8,7 +8,6 @@ for register and instruction analysis with a local ptxas (e.g. `ptxas --maxrregc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -30,11 +29,7 @@ def main():
     a = ap.parse_args()
     B, Hq, Hkv, D, T = 2, 32, 8, 128, 8192
     tun = kd.choose_tuning(8, Hkv, 131072, key_bits=a.kb, value_bits=a.kb, group_size=a.G)
-    for kv in filter(None, a.flags.split(",")):
-        k, v = kv.split("=")
-        cur = getattr(tun, k)
-        tun = dataclasses.replace(tun, **{k: type(cur)(int(v) if isinstance(cur, (bool, int))
-                                                       else v)})
+    tun = da.override(tun, a.flags)
     cache = da.make_cache(jax.random.key(0), 1, B, Hkv, D, T, a.kb, a.kb, a.G)
     q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
     kw = dict(key_bits=a.kb, value_bits=a.kb, group_size=a.G, sm_scale=1 / math.sqrt(D))

@@ -17,6 +17,7 @@ K, V.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -73,15 +74,15 @@ def main():
             cache = kivi_jax.make_cache(f"kivi{kb}", num_layers=1, batch=B, kv_heads=Hkv,
                                         head_dim=D, max_len=T, group_size=G)
             cache = cache.prefill(k, v, lengths)
+            base = kd.choose_tuning(B, Hkv, cache.keys.codes.shape[3] * (8 // kb),
+                                    key_bits=kb, value_bits=kb, group_size=G)
             for std in (1.0, 4.0):
                 q = (std * jax.random.normal(ks[2], (B, Hq, D))).astype(jnp.bfloat16)
                 dense = dense_attention(q, k[0], v[0], lengths)
                 kivi = kivi_jax.decode_attention(q, cache, 0, implementation="reference")
                 cells = [f"{rel(kivi, dense):.2e}"]
                 for flags in (VARIANTS[n] for n in names):
-                    tun = kd.choose_tuning(B, Hkv, cache.keys.codes.shape[3] * (8 // kb),
-                                           key_bits=kb, value_bits=kb, group_size=G)
-                    tun = kd.dataclasses.replace(tun, **flags)
+                    tun = dataclasses.replace(base, **flags)
                     o = kivi_jax.decode_attention(q, cache, 0, implementation="pallas",
                                                   tuning=tun, interpret=a.interpret)
                     cells.append(f"{rel(o, dense):.2e} / {rel(o, kivi.astype(jnp.float32)):.2e}")

@@ -170,9 +170,7 @@ def main():
     B, Hq, Hkv, D, T = 8, 32, 8, 128, a.T
     if a.mode == "one":
         tun = kd.choose_tuning(B, Hkv, T, key_bits=a.kb, value_bits=a.kb, group_size=a.G)
-        for kv in filter(None, a.flags.split(",")):  # TuningConfig overrides, e.g. stages=3
-            k, v = kv.split("=")
-            tun = dataclasses.replace(tun, **{k: type(getattr(tun, k))(int(v))})
+        tun = da.override(tun, a.flags)  # TuningConfig overrides, e.g. stages=3
         cache = da.make_cache(jax.random.key(0), 1, B, Hkv, D, T, a.kb, a.kb, a.G)
         q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
         nt = jnp.full((B,), T, jnp.int32)

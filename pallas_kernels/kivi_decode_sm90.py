@@ -1576,8 +1576,9 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
         rescale = jnp.where(seen, jnp.exp(ref - safe[..., None]), 0.0)  # the kernel's alphas
         p = bt / s1 * rescale
         tot = p.sum(axis=-1)
-        wgt = np.array([_f8_field_spec(value_bits, (t // PLANE) % (8 // value_bits))[2]
-                        for t in range(Tq)], np.float32)
+        Pv = 8 // value_bits  # field weight of each plane, then of each token's plane
+        wgt = np.array([_f8_field_spec(value_bits, j)[2] for j in range(Pv)],
+                       np.float32)[(np.arange(Tq) // PLANE) % Pv]
         b8 = (bt * (256.0 / wgt)).astype(jnp.float16).astype(jnp.float8_e4m3fn)
         pg = (b8.astype(f32) * (wgt / 256.0) * rescale)[:, :, :, None, :]
     vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)
