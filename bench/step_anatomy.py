@@ -11,7 +11,8 @@ what a scan over stacked weights costs when XLA cannot read the GEMM operand in 
 Options after the implementation, colon separated: `random` fills the cache with random
 codes, scales and residual instead of zeros; `unstacked` runs the layers as a Python loop over
 per-layer weight arrays (separate buffers, so no slice of a stacked array is ever a GEMM
-operand); `dsf` compiles with XLA's dynamic-slice fusion (`compiler_options`).
+operand); `dsf` compiles with XLA's dynamic-slice fusion, `cublas` without Triton GEMM
+fusions (`compiler_options`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +100,7 @@ def unstacked_step(layers, params, config, tokens, cache, impl):
 
 
 def run_point(params, config, batch, context, cache_name, impl, opts, steps, group_size,
-              show_hlo, layers):
+              show_hlo, layers, dump=None):
     c = G.new_cache(cache_name, config, batch, context + steps + 2, jnp.bfloat16,
                     **({} if cache_name == "fp16" else dict(group_size=group_size)))
     c = dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
@@ -114,9 +116,18 @@ def run_point(params, config, batch, context, cache_name, impl, opts, steps, gro
         step = jax.jit(lambda p, t, c: llama.decode_step(p, config, t, c, implementation=impl),
                        donate_argnums=2)
     tokens = jnp.zeros((batch,), jnp.int32)
-    copts = {"xla_gpu_enable_dynamic_slice_fusion": True} if "dsf" in opts else None
+    copts = {}
+    if "dsf" in opts:
+        copts["xla_gpu_enable_dynamic_slice_fusion"] = True
+    if "cublas" in opts:
+        copts["xla_gpu_enable_triton_gemm"] = False
+    copts = copts or None
     compiled = step.lower(params, tokens, c).compile(compiler_options=copts)
     writes = big_writes(compiled.as_text()) if show_hlo else []
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        name = f"{batch}x{context}_{cache_name}_{impl}_{'_'.join(opts)}".rstrip("_")
+        (dump / f"{name}.hlo.txt").write_text(compiled.as_text())
     logits, c = compiled(params, tokens, c)  # warm-up
     jax.block_until_ready(c)
     times = []
@@ -137,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--hlo", action="store_true", help="list the largest buffers written")
     ap.add_argument("--label", default="")
+    ap.add_argument("--dump", type=Path, default=None, help="write each compiled step's HLO here")
     args = ap.parse_args(argv)
     config = get_preset(args.model)
     params = llama.init_params(config, jax.random.key(0), jnp.bfloat16)
@@ -155,7 +167,8 @@ def main(argv=None):
         bc, cache_name, impl, *rest = p.split(":")
         batch, context = (int(v) for v in bc.split("x"))
         ms, nbytes, writes = run_point(params, config, batch, context, cache_name, impl,
-                                       rest, args.steps, args.group_size, args.hlo, layers)
+                                       rest, args.steps, args.group_size, args.hlo, layers,
+                                       args.dump)
         tbs = (wbytes + nbytes) / (ms * 1e-3) / 1e12
         rows.append((p, ms, (wbytes + nbytes) / 1e9, tbs))
         print(f"{p}: {ms:.3f} ms/step, reads >= {(wbytes + nbytes) / 1e9:.2f} GB "

@@ -198,9 +198,12 @@ class QuantizedStore:
         _, nb, nh, w, d = self.residual.shape
         g = self.group_size
         b = jnp.arange(nb)
-        slot = jnp.where(valid, pos % w, w)
-        res = self.residual.at[layer, b, :, slot].set(x.astype(self.residual.dtype), mode="drop")
-        block = res[layer]  # [B, H, W, D]
+        # The layer's window is read once and written back once (one dynamic_update_slice of
+        # the carried [L, ...] buffer): a scatter of the token followed by a second update of
+        # the same buffer made XLA copy the whole residual of all layers in some schedules.
+        old = jax.lax.dynamic_index_in_dim(self.residual, layer, 0, keepdims=False)
+        put = valid[:, None] & (jnp.arange(w)[None, :] == (pos % w)[:, None])  # [B, W]
+        block = jnp.where(put[:, None, :, None], x[:, :, None, :].astype(old.dtype), old)
         flush = valid & ((pos + 1) % w == 0)
         codes, scale, mn = minmax_quantize(
             block.reshape(nb, nh, w // g, g, d), self.bits, axis=-2, scale_dtype=self.scale.dtype
@@ -224,7 +227,8 @@ class QuantizedStore:
         # A flushed block leaves the window empty; zeroing it keeps the cache a function of its
         # tokens (streaming and bulk prefill give equal bits).
         block = jnp.where(flush[:, None, None, None], jnp.zeros_like(block), block)
-        return dataclasses.replace(store, residual=res.at[layer].set(block))
+        res = jax.lax.dynamic_update_index_in_dim(self.residual, block, layer, 0)
+        return dataclasses.replace(store, residual=res)
 
     def _write_token(self, layer, pos, x, valid) -> QuantizedStore:
         nb = x.shape[0]
