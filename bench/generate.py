@@ -13,6 +13,9 @@ sampling, cache donated) runs `steps` decode steps. A first call with the same s
 Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
 weights, then checked by allocating that cache (and one row more) and running one decode step.
 
+Weights in the layout `models.generate.decode_layout` picks (per-layer on GPUs; `--stacked`
+keeps the layer scan over stacked weights everywhere).
+
 Random weights because the device machine cannot receive the SmolLM2 GGUF; shapes are the
 presets'. Never imports gguf. Prints a table last and writes JSON (--out).
 """
@@ -152,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--no-probe", action="store_true", help="predict max batch, do not run it")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop new work after N seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
+    ap.add_argument("--stacked", action="store_true",
+                    help="decode with stacked weights (the layer scan) on every backend")
     ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
     args = ap.parse_args(argv)
 
@@ -169,6 +174,7 @@ def main(argv=None):
         weights="random (preset shapes)",
         dtype=dtype.name, steps=args.steps, residual_length=args.residual,
         group_size=args.group_size,
+        layout="stacked" if args.stacked else "decode_layout",
         info=device_info(), points=[], max_batch=[],
     )
 
@@ -185,6 +191,8 @@ def main(argv=None):
             break
         t0 = time.perf_counter()
         params = llama.init_params(config, jax.random.key(0), dtype)
+        if not args.stacked:
+            params = G.decode_layout(params)  # what generate() and the CLI decode with
         jax.block_until_ready(params)
         print(f"# {config.name}: {config.num_params() / 1e9:.2f}B random params in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)

@@ -77,6 +77,7 @@ def generate(
     if tok is None:
         typer.echo(f"error: {model} has no tokenizer (tokenizer.json)", err=True)
         raise typer.Exit(2)
+    params = gen.decode_layout(params)  # rebinding frees the stacked weights on GPUs
     load_s = time.perf_counter() - t0
     text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
     ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it

@@ -257,6 +257,20 @@ def _cache_kw(group_size, residual_length):
     return kw
 
 
+def decode_layout(params):
+    """The params layout to decode with on this backend.
+
+    GPUs: per-layer weights (`llama.unstack_layers`), read in place by each GEMM; a scan over
+    stacked weights copies every layer's slices first (run 31: Llama-3-8B, 14.5 -> 7.7 ms per
+    step at batch 1). CPUs: the stacked scan, which compiles 8x faster (SmolLM2: 2.7 s against
+    21.7 s) for a decode step 30% slower. Returns params unchanged when nothing changes; an
+    unstacked copy otherwise (drop the stacked params to get their memory back, as the CLI does).
+    """
+    if jax.default_backend() == "gpu":
+        return llama.unstack_layers(params)
+    return params
+
+
 def generate(
     params,
     config: ModelConfig,
@@ -275,10 +289,12 @@ def generate(
 
     cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype). Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
-    max_position_embeddings.
+    max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
+    pass `decode_layout(params)` to skip that copy on repeated calls.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = decode_layout(params)
     tokens, lengths = make_prompt_batch(prompts)
     B, S = tokens.shape
     N = bucket(max_new_tokens)
@@ -356,6 +372,7 @@ def stream(
 
     Same programs per bucket as `generate`, but one jitted step per token, driven from Python.
     """
+    params = decode_layout(params)
     tokens, lengths = make_prompt_batch([prompt])
     max_len = tokens.shape[1] + bucket(max_new_tokens)
     c = new_cache(cache, config, 1, max_len, params["embed"].dtype,

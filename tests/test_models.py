@@ -194,6 +194,63 @@ def test_nnx_module_wraps_params(tiny_params):
                                                       "wq": jnp.zeros((2, 3))}}, TINY)
 
 
+# -- per-layer weights (the decode layout on GPUs) -------------------------------------------
+
+
+def test_unstack_layers_round_trip_and_checks(tiny_params):
+    un = llama.unstack_layers(tiny_params)
+    assert llama.is_unstacked(un) and not llama.is_unstacked(tiny_params)
+    assert len(un["layers"]) == TINY.num_layers
+    np.testing.assert_array_equal(un["layers"][1]["wq"], tiny_params["layers"]["wq"][1])
+    assert llama.unstack_layers(un) is un
+    back = llama.stack_layers(un)
+    assert jax.tree.structure(back) == jax.tree.structure(tiny_params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tiny_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    llama.check_params(un, TINY)
+    with pytest.raises(ValueError, match="1 layers"):
+        llama.check_params({**un, "layers": un["layers"][:1]}, TINY)
+    bad = ({**un["layers"][0], "wq": jnp.zeros((2, 3))}, un["layers"][1])
+    with pytest.raises(ValueError, match="wq"):
+        llama.check_params({**un, "layers": bad}, TINY)
+
+
+@pytest.mark.parametrize("cache_name", ["fp16", "kivi2"])
+def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
+    """The unrolled loop over per-layer weights is the same model as the scan: prefill logits
+    and cache, then decode steps through a short KIVI window (so quantized groups are read)."""
+    cfg, B, S, P = TINY, 2, 40, 30
+    un = llama.unstack_layers(tiny_params)
+    toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
+    kw = dict(group_size=16, residual_length=16) if cache_name != "fp16" else {}
+    outs = []
+    for p in (tiny_params, un):
+        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(cache_name, cfg, B, 64,
+                                                                          **kw))
+        steps = [lg]
+        for t in range(P, S):
+            lg, c = decode_step(p, cfg, toks[:, t], c)
+            steps.append(lg)
+        outs.append((jnp.stack(steps), c))
+    (a, ca), (b, cb) = outs
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(a).max()) > 0.1
+    for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   atol=1e-5)
+
+
+def test_generate_takes_either_layout(tiny_params, monkeypatch):
+    prompts = [[5, 9, 2, 44], [8, 1]]
+    a = G.generate(tiny_params, TINY, prompts, cache="kivi2", max_new_tokens=6)
+    b = G.generate(llama.unstack_layers(tiny_params), TINY, prompts, cache="kivi2",
+                   max_new_tokens=6)
+    assert a.tokens == b.tokens
+    assert G.decode_layout(tiny_params) is tiny_params  # CPU: the stacked scan
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert llama.is_unstacked(G.decode_layout(tiny_params))
+
+
 # -- sampling --------------------------------------------------------------------------------
 
 
