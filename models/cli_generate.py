@@ -48,8 +48,9 @@ def generate(
     import kivi_jax
     from kivi_jax import memory
     from models import generate as gen
-    from models.loader import load_model
+    from models.loader import enable_compile_cache, load_model
 
+    enable_compile_cache()
     if cache not in kivi_jax.CACHE_NAMES:
         raise typer.BadParameter(
             f"unknown cache {cache!r}; choose one of {', '.join(kivi_jax.CACHE_NAMES)}",

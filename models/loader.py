@@ -70,6 +70,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("KIVI_JAX_CACHE_DIR", Path.home() / ".cache" / "kivi-jax"))
 
 
+def enable_compile_cache() -> Path | None:
+    """Persist compiled programs under cache_root()/xla on GPUs, for command-line runs.
+
+    On GPUs the decode loop runs the layers unrolled over per-layer weights
+    (`models.generate.decode_layout`), which takes ~30 s to compile for Llama-3-8B on an H200
+    (run 33, docs/generation.md); the next run with the same shapes loads it instead. CPUs keep
+    the layer scan (a few seconds), so nothing is set there. KIVI_JAX_NO_COMPILE_CACHE=1 opts
+    out. Returns the directory, or None when not enabled.
+    """
+    if os.environ.get("KIVI_JAX_NO_COMPILE_CACHE") or jax.default_backend() != "gpu":
+        return None
+    d = cache_root() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return d
+
+
 def _identity(kind: str, path: Path) -> dict:
     files = [path] if kind == "gguf" else sorted(
         [*path.glob("*.safetensors"), path / "config.json"]

@@ -105,3 +105,20 @@ def test_cli_generate_json(cache_dir, monkeypatch):
     assert out["bytes_per_token"] * 3 < out["fp16_bytes_per_token"]  # 5 bits vs 16
     bad = CliRunner().invoke(app, ["generate", "--prompt", "x", "--model", "nope"])
     assert bad.exit_code == 2 and "valid presets" in bad.output
+
+
+def test_compile_cache_only_on_gpus(tmp_path, monkeypatch):
+    """The CLI persists compiled programs on GPUs (unrolled decode loop), never on CPUs."""
+    import jax
+
+    from models.loader import enable_compile_cache
+
+    monkeypatch.setenv("KIVI_JAX_CACHE_DIR", str(tmp_path))
+    assert jax.default_backend() != "gpu" and enable_compile_cache() is None
+    calls = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    assert enable_compile_cache() == tmp_path / "xla"
+    assert ("jax_compilation_cache_dir", str(tmp_path / "xla")) in calls
+    monkeypatch.setenv("KIVI_JAX_NO_COMPILE_CACHE", "1")
+    assert enable_compile_cache() is None
