@@ -199,9 +199,12 @@ class QuantizedStore:
         g = self.group_size
         b = jnp.arange(nb)
         # The layer's window is read once and written back once (one dynamic_update_slice of
-        # the carried [L, ...] buffer): a scatter of the token followed by a second update of
-        # the same buffer made XLA copy the whole residual of all layers in some schedules.
+        # the [L, ...] buffer): a scatter of the token followed by a second update of the same
+        # buffer made XLA copy the residual of all layers, per layer, in some schedules (run 31).
         old = jax.lax.dynamic_index_in_dim(self.residual, layer, 0, keepdims=False)
+        # Every read of the old buffer is now an input of the barrier, so the in-place update
+        # below is ordered after them (XLA copies the whole buffer when it cannot order them).
+        residual, old = jax.lax.optimization_barrier((self.residual, old))
         put = valid[:, None] & (jnp.arange(w)[None, :] == (pos % w)[:, None])  # [B, W]
         block = jnp.where(put[:, None, :, None], x[:, :, None, :].astype(old.dtype), old)
         flush = valid & ((pos + 1) % w == 0)
@@ -227,34 +230,64 @@ class QuantizedStore:
         # A flushed block leaves the window empty; zeroing it keeps the cache a function of its
         # tokens (streaming and bulk prefill give equal bits).
         block = jnp.where(flush[:, None, None, None], jnp.zeros_like(block), block)
-        res = jax.lax.dynamic_update_index_in_dim(self.residual, block, layer, 0)
+        res = jax.lax.dynamic_update_index_in_dim(residual, block, layer, 0)
         return dataclasses.replace(store, residual=res)
+
+    def flush_token(self, pos: Array, valid: Array) -> QuantizedStore:
+        """Token axis: quantize, in every layer, the token at pos - W that leaves the window
+        when position pos [B] is written (`valid` [B]: rows that write). Runs once per decode
+        step, before the layers' writes (`KiviCache.advance`).
+
+        The token leaving the window does not depend on the new token, so quantizing it inside
+        the layer loop gave XLA a read of the residual with no data path to the next layer's
+        write of it, and XLA copied the [L, ...] residual, scales and codes, per layer, to keep
+        both (run 34). Done for all layers at once, every read comes before any write.
+        """
+        if self.axis != "token" or self.window == 0:
+            return self
+        nl, nb, _, w, d = self.residual.shape
+        g = self.group_size
+        b = jnp.arange(nb)
+        out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
+        out_pos, out_valid = pos - w, valid & (pos >= w)
+        nh = out_x.shape[2]
+        codes, scale, mn = minmax_quantize(
+            out_x.reshape(nl, nb, nh, d // g, g), self.bits, axis=-1,
+            scale_dtype=self.scale.dtype,
+        )
+        row, shift = token_rows(out_pos, self.bits)
+        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
+        row = jnp.where(out_valid, row, oob)
+        vals = codes.reshape(nl, nb, nh, d) << shift[None, :, None, None]
+        layers = jnp.arange(nl)[:, None]
+        store = dataclasses.replace(self, codes=self._add_codes(layers, b[None], row[None], vals))
+        idx = jnp.where(out_valid, out_pos, self.scale.shape[-1])
+        store = store._set_scales(layers, b[None], idx[None], scale[..., 0], mn[..., 0])
+        # The residual comes out of the barrier after the read above: the layers' in-place
+        # writes of the vacated slots are ordered after it.
+        residual, _ = jax.lax.optimization_barrier((self.residual, out_x))
+        return dataclasses.replace(store, residual=residual)
 
     def _write_token(self, layer, pos, x, valid) -> QuantizedStore:
         nb = x.shape[0]
         w = self.window
         b = jnp.arange(nb)
-        res = self.residual
-        if w == 0:
-            out_x, out_pos, out_valid = x, pos, valid
-        else:
-            slot = pos % w
-            out_x = res[layer, b, :, slot]  # the token at pos - W leaves the window
-            out_pos, out_valid = pos - w, valid & (pos >= w)
-            res = res.at[layer, b, :, jnp.where(valid, slot, w)].set(
-                x.astype(res.dtype), mode="drop"
-            )
+        if w:  # the slot's previous token was quantized by flush_token
+            slot = jnp.where(valid, pos % w, w)
+            res = self.residual.at[layer, b, :, slot].set(x.astype(self.residual.dtype),
+                                                          mode="drop")
+            return dataclasses.replace(self, residual=res)
         nh, d = x.shape[1:]
         g = self.group_size
         codes, scale, mn = minmax_quantize(
-            out_x.reshape(nb, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
+            x.reshape(nb, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
         )
-        row, shift = token_rows(out_pos, self.bits)
+        row, shift = token_rows(pos, self.bits)
         oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
-        row = jnp.where(out_valid, row, oob)
+        row = jnp.where(valid, row, oob)
         vals = codes.reshape(nb, nh, d) << shift[:, None, None]
-        store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals), residual=res)
-        idx = jnp.where(out_valid, out_pos, self.scale.shape[-1])
+        store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
+        idx = jnp.where(valid, pos, self.scale.shape[-1])
         return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
 
     def prefill(self, x: Array, lengths: Array) -> QuantizedStore:
@@ -518,8 +551,18 @@ class KiviCache(_CacheOps):
             lengths=lengths,
         )
 
+    def advance(self) -> KiviCache:
+        """Start a decode step: every row's length grows by one, and in every layer the token
+        that leaves a per-token window is quantized (its slot is what `write` fills)."""
+        c = super().advance()
+        pos, valid = c._write_position()
+        return dataclasses.replace(
+            c, keys=c.keys.flush_token(pos, valid), values=c.values.flush_token(pos, valid)
+        )
+
     def write(self, layer, k: Array, v: Array) -> KiviCache:
-        """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer`."""
+        """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer` (after
+        `advance`, which starts the step for all layers)."""
         self._check_token(layer, k, v)
         pos, valid = self._write_position()
         return dataclasses.replace(
