@@ -155,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--no-probe", action="store_true", help="predict max batch, do not run it")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop new work after N seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
+    ap.add_argument("--dense-impl", default="auto",
+                    help="decode attention of the fp16 cache (reference: float32 copies of K/V)")
     ap.add_argument("--stacked", action="store_true",
                     help="decode with stacked weights (the layer scan) on every backend")
     ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
@@ -198,7 +200,7 @@ def main(argv=None):
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         for batch, context in points:
             for cache in caches:
-                for impl in (["reference"] if cache == "fp16" else impls):
+                for impl in ([args.dense_impl] if cache == "fp16" else impls):
                     if late():
                         break
                     rec = dict(model=config.name, batch=batch, context=context, cache=cache,
@@ -218,7 +220,9 @@ def main(argv=None):
                 if late():
                     break
                 rec = max_batch_at(params, config, cache, args.max_batch_context, dtype,
-                                   args.residual, impls[0], probe=not args.no_probe)
+                                   args.residual,
+                                   args.dense_impl if cache == "fp16" else impls[0],
+                                   probe=not args.no_probe)
                 result["max_batch"].append(rec)
                 print(json.dumps(rec), flush=True)
                 save()

@@ -115,6 +115,23 @@ def test_a_window_longer_than_the_sequence_is_full_precision():
         np.testing.assert_allclose(attend(q, c, 1), want, atol=1e-5)
 
 
+def test_dense_auto_reads_the_cache_dtype():
+    """"auto" on a dense cache attends in the cache dtype with float32 accumulation: exact for
+    a float32 cache, within bf16 rounding of the float32 reference for a bf16 one, and
+    ragged rows (one empty) masked like the reference."""
+    q, k, v = _inputs(9, 3, 2, 8, 96)
+    lengths = jnp.array([96, 41, 0], jnp.int32)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        c = kj.make_cache("fp16", num_layers=L, batch=3, kv_heads=2, head_dim=D, max_len=128,
+                          dtype=dtype).prefill(k.astype(dtype), v.astype(dtype), lengths)
+        ref = attend(q, c, 1, implementation="reference")
+        auto = attend(q, c, 1, implementation="auto")
+        np.testing.assert_allclose(np.asarray(auto, np.float32), np.asarray(ref, np.float32),
+                                   atol=tol)
+        assert float(jnp.abs(auto[2]).max()) == 0.0  # the empty row
+    assert float(jnp.abs(auto - ref).max()) > 0  # bf16: a different computation, not a copy
+
+
 def test_quantized_attention_error_is_bounded_and_shrinks_with_bits():
     # Stated bound, measured (2026-11-29) on Gaussian q/k/v with one 8x outlier key channel,
     # D=64, 2000 tokens, R=0 so that everything but an incomplete key group is quantized: the
