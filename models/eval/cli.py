@@ -59,10 +59,13 @@ def ppl_cmd(
         text = ppl.load_corpus(text_file)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    from models.loader import load_model
+    from models.generate import decode_layout
+    from models.loader import enable_compile_cache, load_model
 
+    enable_compile_cache()
     try:
         config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+        params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         ppl.check_context(prefill, decode, config.max_position_embeddings)
         tokens = tokenizer.encode(text, add_bos=False)
         if not tokens:
@@ -131,10 +134,13 @@ def passkey_cmd(
             raise ValueError("--lengths and --depths need at least one value each")
     except ValueError as e:
         _fail(str(e))
-    from models.loader import load_model
+    from models.generate import decode_layout
+    from models.loader import enable_compile_cache, load_model
 
+    enable_compile_cache()
     try:
         config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+        params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         results = passkey.evaluate_passkey(
             params, config, tokenizer, specs, lengths=lens, depths=deps, trials=trials,
             seed=seed, chat_template=chat_template, max_new_tokens=max_new_tokens,
