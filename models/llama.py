@@ -17,8 +17,9 @@ stacked on a leading L axis so the layer loop is one `lax.scan` and compiles onc
 L axis); `forward` and `decode_step` then run the layers as an unrolled Python loop. That is the
 layout to decode with on GPUs: inside a scan each layer's weights are a dynamic slice of the
 stacked arrays, and XLA copies every slice before its GEMM, so a decode step moves the weights
-through memory three times (run 31, docs/generation.md: a Llama-3-8B step at batch 1 takes 14.5 ms with the
-scan, 7.7-8.0 ms with per-layer weights). `models.generate` unstacks on GPU backends.
+through memory three times (run 31, docs/generation.md: a Llama-3-8B step at batch 1 takes
+14.5 ms with the scan, 7.7-8.0 ms with per-layer weights). `models.generate` unstacks on
+GPU backends.
 
 The KV cache is passed in and returned (never module state). Prefill attends in full precision
 (`jax.nn.dot_product_attention`, cuDNN where it applies) and then hands the post-RoPE K/V to
