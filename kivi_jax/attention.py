@@ -52,10 +52,14 @@ def _group_query(q: Array, kv_heads: int, scale: float) -> Array:
 
 
 def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
-    """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] -> (o [B, H, r, D], lse [B, H, r])."""
-    s = jnp.einsum("bhrd,bhnd->bhrn", qg, k, precision="highest")
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    return _normalize(s, lambda p: jnp.einsum("bhrn,bhnd->bhrd", p, v, precision="highest"))
+    """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] -> (o [B, H, r, D], lse [B, H, r]).
+
+    Products in k/v's dtype (q and P rounded to it) with float32 accumulation.
+    """
+    dot = lambda spec, a, b: jnp.einsum(spec, a.astype(b.dtype), b, precision="highest",
+                                        preferred_element_type=jnp.float32)
+    s = jnp.where(mask[:, None, None, :], dot("bhrd,bhnd->bhrn", qg, k), -jnp.inf)
+    return _normalize(s, lambda p: dot("bhrn,bhnd->bhrd", p, v))
 
 
 def _normalize(s: Array, pv) -> tuple[Array, Array]:
@@ -81,27 +85,18 @@ def merge_partials(parts) -> tuple[Array, Array]:
     return o, jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
-def _dense_reference(qg, cache: DenseCache, layer) -> tuple[Array, Array]:
-    k = cache.k[layer].astype(jnp.float32)
-    v = cache.v[layer].astype(jnp.float32)
+def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Array]:
+    """Dense attention over `layer`, K/V in `dtype` (default: the cache's, read directly).
+
+    "reference" passes float32; "auto" reads the cache dtype: converting the layer's K and V
+    to float32 first is a copy as large as the layer's cache (at 32k context and 27 rows of
+    Llama-3-8B, 54 GiB of temporaries in the unrolled decode loop: run 36).
+    """
+    k, v = cache.k[layer], cache.v[layer]
+    if dtype is not None:
+        k, v = k.astype(dtype), v.astype(dtype)
     n = jnp.minimum(cache.lengths, cache.max_len)
     return _softmax_attend(qg, k, v, jnp.arange(cache.max_len)[None, :] < n[:, None])
-
-
-def _dense_direct(qg, cache: DenseCache, layer) -> tuple[Array, Array]:
-    """Dense attention reading K/V in the cache dtype (float32 accumulation, P rounded to the
-    cache dtype for the value product): `_dense_reference` converts the layer's whole K and V
-    to float32 first, a copy as large as the layer's cache (at 32k context and 27 rows of
-    Llama-3-8B, 54 GiB of temporaries in the unrolled decode loop: run 36)."""
-    k, v = cache.k[layer], cache.v[layer]
-    n = jnp.minimum(cache.lengths, cache.max_len)
-    mask = jnp.arange(cache.max_len)[None, :] < n[:, None]
-    s = jnp.einsum("bhrd,bhnd->bhrn", qg.astype(k.dtype), k, precision="highest",
-                   preferred_element_type=jnp.float32)
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    return _normalize(s, lambda p: jnp.einsum("bhrn,bhnd->bhrd", p.astype(v.dtype), v,
-                                              precision="highest",
-                                              preferred_element_type=jnp.float32))
 
 
 def _kivi_reference(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
@@ -259,10 +254,7 @@ def decode_attention(
     if isinstance(cache, DenseCache):
         if impl == "pallas":
             raise NotImplementedError("the Pallas kernel reads quantized caches only")
-        if impl == "auto":
-            o, _ = _dense_direct(qg, cache, layer)
-        else:
-            o, _ = _dense_reference(qg, cache, layer)
+        o, _ = _dense_attend(qg, cache, layer, None if impl == "auto" else jnp.float32)
     elif impl == "reference":
         o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "folded":

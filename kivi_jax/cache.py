@@ -245,24 +245,11 @@ class QuantizedStore:
         """
         if self.axis != "token" or self.window == 0:
             return self
-        nl, nb, _, w, d = self.residual.shape
-        g = self.group_size
+        nl, nb, _, w, _ = self.residual.shape
         b = jnp.arange(nb)
         out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
-        out_pos, out_valid = pos - w, valid & (pos >= w)
-        nh = out_x.shape[2]
-        codes, scale, mn = minmax_quantize(
-            out_x.reshape(nl, nb, nh, d // g, g), self.bits, axis=-1,
-            scale_dtype=self.scale.dtype,
-        )
-        row, shift = token_rows(out_pos, self.bits)
-        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
-        row = jnp.where(out_valid, row, oob)
-        vals = codes.reshape(nl, nb, nh, d) << shift[None, :, None, None]
-        layers = jnp.arange(nl)[:, None]
-        store = dataclasses.replace(self, codes=self._add_codes(layers, b[None], row[None], vals))
-        idx = jnp.where(out_valid, out_pos, self.scale.shape[-1])
-        store = store._set_scales(layers, b[None], idx[None], scale[..., 0], mn[..., 0])
+        store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None],
+                                 (valid & (pos >= w))[None])
         # The residual comes out of the barrier after the read above: the layers' in-place
         # writes of the vacated slots are ordered after it.
         residual, _ = jax.lax.optimization_barrier((self.residual, out_x))
@@ -277,15 +264,20 @@ class QuantizedStore:
             res = self.residual.at[layer, b, :, slot].set(x.astype(self.residual.dtype),
                                                           mode="drop")
             return dataclasses.replace(self, residual=res)
-        nh, d = x.shape[1:]
+        return self._put_tokens(layer, b, x, pos, valid)
+
+    def _put_tokens(self, layer, b, x, pos, valid) -> QuantizedStore:
+        """Token axis: quantize tokens x [..., H, D] into positions pos where valid; layer, b,
+        pos and valid broadcast to x's leading shape (one token, or one per layer)."""
+        *lead, nh, d = x.shape
         g = self.group_size
         codes, scale, mn = minmax_quantize(
-            x.reshape(nb, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
+            x.reshape(*lead, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
         )
         row, shift = token_rows(pos, self.bits)
         oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
         row = jnp.where(valid, row, oob)
-        vals = codes.reshape(nb, nh, d) << shift[:, None, None]
+        vals = codes.reshape(*lead, nh, d) << shift[..., None, None]
         store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
         idx = jnp.where(valid, pos, self.scale.shape[-1])
         return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
