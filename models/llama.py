@@ -396,6 +396,9 @@ class Llama(nnx.Module):
 
     `Llama(config, rngs=nnx.Rngs(0))` initializes randomly; `Llama.from_params(config, p)` wraps
     loaded weights. `model.params()` gives the pure dict that `prefill`/`decode_step` take.
+    Its own `decode_step` scans the stacked weights; a decode loop on a GPU should take
+    `models.generate.decode_layout(model.params())` once and call `decode_step` with that
+    (per-layer weights: module docstring), as `generate` does.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
