@@ -79,28 +79,8 @@ def randomize(cache, key):
     return c
 
 
-def unstacked_step(layers, params, config, tokens, cache, impl):
-    """llama.decode_step with the layer scan unrolled over separate per-layer weight dicts."""
-    from kivi_jax import decode_attention
-
-    c = config
-    dtype = llama._model_dtype(params)
-    cache = cache.advance()
-    positions = cache.lengths - 1
-    x = llama._embed(params, tokens, dtype)
-    B = x.shape[0]
-    for l, lp in enumerate(layers):
-        h = llama.rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = llama._qkv(lp, h, c, positions)
-        cache = cache.write(jnp.int32(l), k.astype(cache.dtype), v.astype(cache.dtype))
-        o = decode_attention(q, cache, jnp.int32(l), implementation=impl)
-        x = x + llama._dense(o.reshape(B, -1), lp["wo"]).astype(dtype)
-        x = llama._mlp(lp, x, c)
-    return llama._logits(params, x, config), cache
-
-
 def run_point(params, config, batch, context, cache_name, impl, opts, steps, group_size,
-              show_hlo, layers, dump=None):
+              show_hlo, unstacked, dump=None):
     c = G.new_cache(cache_name, config, batch, context + steps + 2, jnp.bfloat16,
                     **({} if cache_name == "fp16" else dict(group_size=group_size)))
     c = dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
@@ -108,13 +88,9 @@ def run_point(params, config, batch, context, cache_name, impl, opts, steps, gro
         c = randomize(c, jax.random.key(1))
     nbytes = c.nbytes().total
     if "unstacked" in opts:
-        top = {k: v for k, v in params.items() if k != "layers"}
-        step = jax.jit(lambda p, t, c: unstacked_step(p[1], p[0], config, t, c, impl),
-                       donate_argnums=2)
-        params = (top, layers())
-    else:
-        step = jax.jit(lambda p, t, c: llama.decode_step(p, config, t, c, implementation=impl),
-                       donate_argnums=2)
+        params = unstacked()
+    step = jax.jit(lambda p, t, c: llama.decode_step(p, config, t, c, implementation=impl),
+                   donate_argnums=2)
     tokens = jnp.zeros((batch,), jnp.int32)
     copts = {}
     if "dsf" in opts:
@@ -155,11 +131,10 @@ def main(argv=None):
     wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     split = []
 
-    def layers():  # per-layer copies of the stacked weights, made once on first use
+    def unstacked():  # per-layer weights (llama.unstack_layers), made once on first use
         if not split:
-            split.extend(jax.tree.map(lambda a, i=i: a[i] + 0, params["layers"])
-                         for i in range(config.num_layers))
-        return split
+            split.append(llama.unstack_layers(params))
+        return split[0]
     print(f"# {config.name}: {wbytes / 1e9:.2f} GB of weights; {jax.devices()[0].device_kind}; "
           f"jax {jax.__version__}; {args.label}", flush=True)
     rows = []
@@ -167,7 +142,7 @@ def main(argv=None):
         bc, cache_name, impl, *rest = p.split(":")
         batch, context = (int(v) for v in bc.split("x"))
         ms, nbytes, writes = run_point(params, config, batch, context, cache_name, impl,
-                                       rest, args.steps, args.group_size, args.hlo, layers,
+                                       rest, args.steps, args.group_size, args.hlo, unstacked,
                                        args.dump)
         tbs = (wbytes + nbytes) / (ms * 1e-3) / 1e12
         rows.append((p, ms, (wbytes + nbytes) / 1e9, tbs))
