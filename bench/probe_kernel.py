@@ -112,6 +112,22 @@ def ablations(kb, G, which="where"):
                 ("fp8_values", r(fp8_values=True), False),
                 (f"int8_keys fp8_values S{fast.num_splits}", fast, False),
                 ("int8_keys fp8_values S12", dataclasses.replace(fast, num_splits=12), False)]
+    if which == "mma":  # warp-level mma.sync against wgmma, exact and low-precision products
+        fast = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
+                                int8_keys=True, fp8_values=True)
+        m = lambda t, **k: dataclasses.replace(t, mma_sync=True, **k)
+        rows = [("default", d, False), ("mma", m(d), False),
+                ("mma compute-only", m(d, skip="loads"), False)]
+        if d.wg_per_block == 1:
+            rows.append(("mma W3 S6", m(d, wg_per_block=3, num_splits=6), False))
+        else:
+            rows.append(("mma W1", m(d, wg_per_block=1, num_splits=8), False))
+        if G == 128:
+            rows += [(f"lowp S{fast.num_splits}", fast, False),
+                     (f"lowp mma S{fast.num_splits}", m(fast), False),
+                     ("lowp mma S12", m(fast, num_splits=12), False),
+                     ("lowp mma compute-only", m(fast, skip="loads"), False)]
+        return rows
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -163,7 +179,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

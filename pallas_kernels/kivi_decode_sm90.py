@@ -173,6 +173,10 @@ class TuningConfig:
       (W = 3: 168 registers per thread, against 235 unconstrained), so an SM holds W
       warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
       through `plgpu.emit_pipeline`.
+    mma_sync: run both products as warp-level mma.sync (`plgpu.mma`: each warp one m16n8k16
+      or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma, both operands in
+      registers: the B operand (q, q * s_g, P) is loaded from SMEM into registers (q once per
+      split), P's hand-over between warps is a warpgroup barrier. Not with fold_k.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -195,6 +199,7 @@ class TuningConfig:
     wg_per_block: int = 1
     int8_keys: bool = False
     fp8_values: bool = False
+    mma_sync: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -212,6 +217,8 @@ class TuningConfig:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
         if not 1 <= self.wg_per_block <= 4:
             raise ValueError(f"wg_per_block must be in [1, 4], got {self.wg_per_block}")
+        if self.mma_sync and self.fold_k:
+            raise ValueError("mma_sync does not take fold_k (its B operand is per key group)")
         if self.skip not in ("", "compute", "values", "loads"):
             raise ValueError(
                 f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
@@ -658,6 +665,63 @@ def _wg_reduce(x, kind: str, scratch_ref):
     return reduce(x, scratch_ref)
 
 
+def _mma(acc, a, b, interpret):
+    """acc + a @ b on warp-level mma.sync (`plgpu.mma`): acc (64, N) f32/int32 and a (64, K)
+    in the WGMMA layouts (the same registers per thread as mma.sync's fragments: the casts are
+    relabellings), b (K, N) in `Layout.MMA_RHS`. Returns (64, N) in the WGMMA layout."""
+    if interpret:  # the interpreter has no mma: the same product in jnp
+        return acc + jnp.dot(a, b, preferred_element_type=acc.dtype)
+    acc = plgpu.layout_cast(acc, plgpu.Layout.MMA_ACC(acc.dtype))
+    return plgpu.layout_cast(plgpu.mma(acc, _as_mma_lhs(a), b), _WG)
+
+
+def _as_mma_lhs(x):
+    """A (64, K) tile in the WGMMA layout (8-bit: WGMMA_8BIT) relabelled as `Layout.MMA_LHS`:
+    both give a thread the same elements (warp w rows 16w.., lane (g, t) rows g and g + 8,
+    columns 2t.. (16-bit) or 4t.. (8-bit) of every 8- or 16-column block); only the order of
+    the register array differs. Mosaic has no such relayout, so it is done here, per
+    register, at trace time: no instructions."""
+    src = plgpu.Layout.WGMMA_8BIT if x.dtype.itemsize == 1 else _WG
+    dst = plgpu.Layout.MMA_LHS(x.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(src,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dst))
+    def relabel(_, xa):
+        new = dst.to_mgpu()
+        by_origin = {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
+        regs = np.empty(new.registers_shape(xa.shape), dtype=object)
+        i32 = ir.IntegerType.get_signless(32)
+        for i in np.ndindex(regs.shape):
+            r = by_origin[new.tiling.untile_indices(i)]
+            # through i32 and back: fresh values, else MLIR folds the register round trip
+            # (vector -> registers -> vector) back to the WGMMA-layout vector
+            regs[i] = mgpu_utils.bitcast(mgpu_utils.bitcast(r, i32), r.type)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=new, _is_signed=xa.is_signed)
+
+    return relabel(x)
+
+
+def _mma_rhs(ref, interpret):
+    """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.MMA_RHS(ref.dtype))
+
+
+def _wg_sync(interpret):
+    """A barrier over this warpgroup's 128 threads (named barrier 1 + warpgroup index): orders
+    SMEM stores of one warp before another warp's loads. The interpreter runs a warpgroup as
+    one thread, so it needs none."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def sync(_):
+        mgpu_utils.warpgroup_barrier()
+
+    sync()
+
+
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry):
     """`plgpu.emit_pipeline` for one warpgroup of a block of several, each with its own
     buffers: steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
@@ -747,6 +811,7 @@ def _make_kernel(
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
+    mm = tuning.mma_sync
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -811,6 +876,8 @@ def _make_kernel(
                     qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
                 elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
                     q32 = qt_s[...]
+            if mm and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
+                qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
             def fold_prep(v):
                 """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
@@ -989,9 +1056,34 @@ def _make_kernel(
                     out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
                 return out
 
+            def mma_scores(v):
+                """`scores` on mma.sync: each plane's tile against B in registers (q loaded
+                once per split; int8_keys: q * s_g of the plane's group, once per sub-step)."""
+                cache = {}
+                if i8k:
+                    fix = int8_prep(v)
+                    _wg_sync(interpret)  # bq_s was written by other threads
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.int32), _WG)
+                    bregs, out = {}, []
+                    for p in range(planes):
+                        g = p * PLANE // G
+                        if g not in bregs:
+                            bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
+                        raw = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
+                        out.append(raw.astype(jnp.float32) * fix[p][0] + fix[p][1])
+                    return out
+                out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
+                for c in range(KCH):
+                    cache = {}
+                    for p in range(planes):
+                        out[p] = _mma(out[p], k_tile(v, p, cache, c), qb[c], interpret)
+                return out
+
             def scores(v):
                 """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
                 bias of `fold_prep`)."""
+                if mm:
+                    return mma_scores(v)
                 if i8k:
                     fix = int8_prep(v)
                     b8 = lambda p: bq_s.at[p * PLANE // G].T
@@ -1129,7 +1221,17 @@ def _make_kernel(
                       v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
-                if stage_smem:
+                if mm:  # P (stored by every warp) as each warp's B operand, in registers
+                    _wg_sync(interpret)
+                    new = [zero() for _ in range(mtiles)] if f8v else list(accs)
+                    for p in range(planes):
+                        b = _mma_rhs(pb(p), interpret)
+                        for mt in range(mtiles):
+                            new[mt] = _mma(new[mt], vt(v, p, mt, cache), b, interpret)
+                    # f8v: a sub-step's product in fresh accumulators, as for wgmma
+                    accs = tuple(a + x for a, x in zip(accs, new, strict=True)) if f8v else \
+                        tuple(new)
+                elif stage_smem:
                     new = []
                     for mt in range(mtiles):
                         def pv(acc, mt=mt):
