@@ -115,7 +115,7 @@ def ablations(kb, G, which="where"):
     if which == "mma":  # warp-level mma.sync against wgmma, exact and low-precision products
         fast = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
                                 int8_keys=True, fp8_values=True)
-        m = lambda t, **k: dataclasses.replace(t, mma_sync=True, **k)
+        m = lambda t, **k: dataclasses.replace(t, **{"mma_sync": "both", **k})
         rows = [("default", d, False), ("mma", m(d), False),
                 ("mma compute-only", m(d, skip="loads"), False)]
         if d.wg_per_block == 1:
@@ -128,6 +128,35 @@ def ablations(kb, G, which="where"):
                      ("lowp mma S12", m(fast, num_splits=12), False),
                      ("lowp mma compute-only", m(fast, skip="loads"), False)]
         return rows
+    if which == "mma2":  # run 40: warpgroups per block, splits, mixed products with mma.sync
+        m = lambda **k: dataclasses.replace(d, **{"mma_sync": "both", **k})
+        if G == 32:
+            return [("mma W3 S6", m(wg_per_block=3, num_splits=6), False),
+                    ("mma W3 S12", m(wg_per_block=3, num_splits=12), False),
+                    ("mma W2 S8", m(wg_per_block=2, num_splits=8), False),
+                    ("mma W3 S12 compute-only", m(wg_per_block=3, num_splits=12, skip="loads"),
+                     False)]
+        if kb == 4:
+            return [("mma W2 S8", m(wg_per_block=2, num_splits=8), False),
+                    ("mma W1 S12", m(num_splits=12), False),
+                    ("mma keys + fp8 values", m(mma_sync="keys", fp8_values=True), False),
+                    ("int8 keys + mma values", m(mma_sync="values", int8_keys=True), False)]
+        return [("mma W3 S6", m(wg_per_block=3, num_splits=6), False),
+                ("mma W3 S12", m(wg_per_block=3, num_splits=12), False),
+                ("mma W2 S8", m(wg_per_block=2, num_splits=8), False),
+                ("mma W3 S12 compute-only", m(wg_per_block=3, num_splits=12, skip="loads"),
+                 False),
+                ("mma W3 S12 pipeline-only", m(wg_per_block=3, num_splits=12, skip="compute"),
+                 False),
+                ("mma sub512 S8", m(block_tokens=512, sub_tokens=512), False),
+                ("mma keys + fp8 values", m(mma_sync="keys", fp8_values=True), False),
+                ("mma keys + fp8 values W3 S6",
+                 m(mma_sync="keys", fp8_values=True, wg_per_block=3, num_splits=6), False),
+                ("int8 keys + mma values", m(mma_sync="values", int8_keys=True), False),
+                ("mma values only W3 S6", m(mma_sync="values", wg_per_block=3, num_splits=6),
+                 False),
+                ("mma keys only W3 S6", m(mma_sync="keys", wg_per_block=3, num_splits=6),
+                 False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -179,7 +208,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c | mma")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

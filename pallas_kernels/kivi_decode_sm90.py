@@ -173,10 +173,11 @@ class TuningConfig:
       (W = 3: 168 registers per thread, against 235 unconstrained), so an SM holds W
       warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
       through `plgpu.emit_pipeline`.
-    mma_sync: run both products as warp-level mma.sync (`plgpu.mma`: each warp one m16n8k16
-      or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma, both operands in
-      registers: the B operand (q, q * s_g, P) is loaded from SMEM into registers (q once per
-      split), P's hand-over between warps is a warpgroup barrier. Not with fold_k.
+    mma_sync: which products run as warp-level mma.sync (`plgpu.mma`: each warp one m16n8k16
+      or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma: "" (none), "keys",
+      "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
+      from SMEM into registers (q once per split); P's hand-over between warps is a
+      warpgroup barrier. Not with fold_k.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -199,7 +200,7 @@ class TuningConfig:
     wg_per_block: int = 1
     int8_keys: bool = False
     fp8_values: bool = False
-    mma_sync: bool = False
+    mma_sync: str = ""
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -217,7 +218,10 @@ class TuningConfig:
             raise ValueError(f"stages must be in [1, 8], got {self.stages}")
         if not 1 <= self.wg_per_block <= 4:
             raise ValueError(f"wg_per_block must be in [1, 4], got {self.wg_per_block}")
-        if self.mma_sync and self.fold_k:
+        if self.mma_sync not in ("", "keys", "values", "both"):
+            raise ValueError(
+                f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
+        if self.mma_sync in ("keys", "both") and self.fold_k:
             raise ValueError("mma_sync does not take fold_k (its B operand is per key group)")
         if self.skip not in ("", "compute", "values", "loads"):
             raise ValueError(
@@ -811,7 +815,8 @@ def _make_kernel(
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
-    mm = tuning.mma_sync
+    mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
+    mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -876,7 +881,7 @@ def _make_kernel(
                     qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
                 elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
                     q32 = qt_s[...]
-            if mm and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
+            if mmk and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
             def fold_prep(v):
@@ -1082,7 +1087,7 @@ def _make_kernel(
             def scores(v):
                 """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
                 bias of `fold_prep`)."""
-                if mm:
+                if mmk:
                     return mma_scores(v)
                 if i8k:
                     fix = int8_prep(v)
@@ -1221,7 +1226,7 @@ def _make_kernel(
                       v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
-                if mm:  # P (stored by every warp) as each warp's B operand, in registers
+                if mmv:  # P (stored by every warp) as each warp's B operand, in registers
                     _wg_sync(interpret)
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     for p in range(planes):

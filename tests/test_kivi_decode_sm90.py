@@ -219,16 +219,16 @@ FLAG_CASES = [
      TC(256, 2, 2, int8_keys=True, fp8_values=True, wg_per_block=2)),
     # mma_sync: warp-level products (the interpreter computes them in jnp; the native
     # mma.sync path is cross-lowered here and run by the GPU cases)
-    (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2, mma_sync=True)),
+    (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2, mma_sync="both")),
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1,
-     TC(256, 2, 2, int8_keys=True, fp8_values=True, mma_sync=True)),
+     TC(256, 2, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
-     TC(256, 2, 2, mma_sync=True, wg_per_block=3)),
+     TC(256, 2, 2, mma_sync="both", wg_per_block=3)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
-            f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{int(c[-1].mma_sync)}"
+            f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
             for c in FLAG_CASES]
 
 
@@ -472,12 +472,12 @@ GPU_CASES = [  # larger shapes, native production variant
     (8, 32, 8, 128, 32768, 2, 2, 128, jnp.bfloat16,
      TC(256, 8, 2, int8_keys=True, fp8_values=True)),
     # mma_sync: both products on warp-level mma.sync, exact and low-precision, G 32/64/128
-    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, mma_sync=True)),
-    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 4, 2, mma_sync=True, wg_per_block=3)),
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 4, 2, mma_sync="both", wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16,
-     TC(256, 4, 2, int8_keys=True, fp8_values=True, mma_sync=True)),
-    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, mma_sync=True)),
-    (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, mma_sync=True, fold_v=False)),
+     TC(256, 4, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
+    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
+    (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, mma_sync="both", fold_v=False)),
 ]
 
 
