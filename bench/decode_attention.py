@@ -315,14 +315,14 @@ def grid(rows, deadline, batches, flags=None, hqs=(32, 64), ts=(131072, 8192, 32
             rows.append(fp[impl])
             log(fp[impl])
         for (kb, G), W, lp in itertools.product(bitsg, wgs, lps):
-            label = ("kivi" if W is None else f"kivi-wg{W}") + ("-i8k-f8v" if lp else "")
-            if lp and G != D:  # both low-precision products need G = D
+            label = ("kivi" if W is None else f"kivi-wg{W}") + ("-f8v" if lp else "")
+            if lp and G != D:  # the fp8 value product needs G = D
                 continue
             try:
                 tun = kd.choose_tuning(
                     B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G,
                     block_tokens=flags.block_tokens if flags else None,
-                    stages=flags.stages if flags else 2, int8_keys=lp, fp8_values=lp,
+                    stages=flags.stages if flags else 2, fp8_values=lp,
                     **({} if W is None else dict(wg_per_block=W)))
                 if flags is not None:
                     tun = dataclasses.replace(tun, p_concat=flags.p_concat)
@@ -581,8 +581,8 @@ def main():
                     help="comma list of warpgroups per block to run side by side in the grid "
                     "(TuningConfig.wg_per_block; default: choose_tuning's choice only)")
     ap.add_argument("--lp", default="0",
-                    help="comma list of 0 (exact products) / 1 (the opt-in int8_keys + "
-                    "fp8_values, G = D only) kernels to run side by side in the grid")
+                    help="comma list of 0 (exact products) / 1 (the opt-in fp8 value product of "
+                    "low_precision=True, G = D only) kernels to run side by side in the grid")
     ap.add_argument("--budget_s", type=float, default=500)
     ap.add_argument("--grid_s", type=float, default=0, help="time kept for the grid after tune")
     ap.add_argument("--ptxas", action="store_true",

@@ -177,7 +177,7 @@ class TuningConfig:
       or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma: "" (none), "keys",
       "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
       from SMEM into registers (q once per split); P's hand-over between warps is a
-      warpgroup barrier. Not with fold_k.
+      warpgroup barrier. Where fold_k applies the key product stays on wgmma.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -200,7 +200,7 @@ class TuningConfig:
     wg_per_block: int = 1
     int8_keys: bool = False
     fp8_values: bool = False
-    mma_sync: str = ""
+    mma_sync: str = "both"
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -221,8 +221,6 @@ class TuningConfig:
         if self.mma_sync not in ("", "keys", "values", "both"):
             raise ValueError(
                 f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
-        if self.mma_sync in ("keys", "both") and self.fold_k:
-            raise ValueError("mma_sync does not take fold_k (its B operand is per key group)")
         if self.skip not in ("", "compute", "values", "loads"):
             raise ValueError(
                 f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
@@ -304,7 +302,7 @@ def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
     block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
-    int8_keys: bool = False, fp8_values: bool = False,
+    int8_keys: bool = False, fp8_values: bool = False, mma_sync: str | None = None,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -326,10 +324,31 @@ def choose_tuning(
     needs 149-167 registers (runs 25-26), so three blocks of 128 threads fit an SM's register
     file where the shared memory allows (2-bit G=128: S=6-18 within 2% at B=8 T=128k, run 26;
     4-bit: two blocks by shared memory, S=8 best).
+    `mma_sync` (None: chosen here): each product runs on warp-level mma.sync unless it takes
+    an 8-bit wgmma (int8_keys, fp8_values where they apply): on the H200 mma.sync did the
+    fp16 products of both at B=8 T=128k faster than wgmma (2-bit G=128 0.350 -> 0.310 ms,
+    W=3 0.281; 2-bit G=32 W=3 0.360 -> 0.321; 4-bit 0.377 -> 0.344; docs/performance.md runs
+    39-40), while 8-bit mma.sync was slower than 8-bit wgmma (int8 and fp8 mma.sync retire
+    no more K per clock than fp16 mma.sync, run 38). With mma.sync, 2-bit caches take W=3
+    (where it fits the shared memory) at large B * Hkv * T, as 2-bit G=32 did before.
     """
+    if mma_sync is None:
+        probe = TuningConfig(int8_keys=int8_keys, fp8_values=fp8_values)
+        keys = not _int8_keys(probe, group_size, head_dim)
+        values = not _fp8_values(probe, group_size, head_dim)
+        mma_sync = {(True, True): "both", (True, False): "keys", (False, True): "values",
+                    (False, False): ""}[keys, values]
     if wg_per_block is None:
         big = batch * kv_heads * max_tokens >= 1 << 22
-        wg_per_block = 3 if (key_bits == 2 and group_size == 32 and big) else 1
+        w3 = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
+        wg_per_block = 3 if w3 else 1
+        if w3 and smem_bytes(
+                TuningConfig(block_tokens=max(256, _min_block(key_bits, value_bits),
+                                              group_size), stages=stages, wg_per_block=3,
+                             int8_keys=int8_keys, fp8_values=fp8_values),
+                key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                head_dim=head_dim, padded_heads=8) > SMEM_LIMIT:
+            wg_per_block = 1
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
         blk //= 2
@@ -337,7 +356,8 @@ def choose_tuning(
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     steps = max_tokens // blk
     base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages,
-                        wg_per_block=wg_per_block, int8_keys=int8_keys, fp8_values=fp8_values)
+                        wg_per_block=wg_per_block, int8_keys=int8_keys, fp8_values=fp8_values,
+                        mma_sync=mma_sync)
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
                              group_size=group_size, head_dim=head_dim, padded_heads=8)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
@@ -815,7 +835,7 @@ def _make_kernel(
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
-    mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
+    mmk = tuning.mma_sync in ("keys", "both") and not fold  # key product on mma.sync
     mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -1564,8 +1584,10 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
 
     `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the SMEM-staged
     variant under the Mosaic GPU interpreter (any backend). `low_precision`: turn on the opt-in
-    int8 key and fp8 value products (`TuningConfig.int8_keys`, `fp8_values`; they apply at
-    G = D = 128 and G = D, and change nothing elsewhere) on `tuning` or on choose_tuning's.
+    fp8 value product (`TuningConfig.fp8_values`; it applies at G = D and changes nothing
+    elsewhere) on `tuning` or on choose_tuning's, the key product staying exact on mma.sync
+    (faster and more precise than the int8 key product since run 40; `int8_keys` stays
+    reachable through `tuning`).
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes.
     """
@@ -1577,10 +1599,9 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
         interpret = False
     if tuning is None:
         tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
-                               group_size=group_size, head_dim=D, int8_keys=low_precision,
-                               fp8_values=low_precision)
+                               group_size=group_size, head_dim=D, fp8_values=low_precision)
     elif low_precision:
-        tuning = dataclasses.replace(tuning, int8_keys=True, fp8_values=True)
+        tuning = dataclasses.replace(tuning, fp8_values=True)
     need = max(_min_block(key_bits, value_bits), group_size)
     if tuning.block_tokens % need:
         raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "

@@ -11,6 +11,7 @@ GPU (skipped elsewhere): the production variant natively on larger shapes, outpu
 first, deterministic run to run.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -109,6 +110,11 @@ def compare(o, lse, ro, rlse, tol):
 
 # (B, Hq, Hkv, D, Tq, key_bits, value_bits, G, q dtype, lengths, layer, tuning)
 TC = kd.TuningConfig
+
+
+def TW(*args, **kwargs):  # noqa: N802 - a TuningConfig with both products on wgmma
+    return TC(*args, mma_sync="", **kwargs)
+
 CASES = [
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (300, 0), 1, TC(256, 2, 2)),
     (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2)),
@@ -141,15 +147,26 @@ def _run_case(case, seed, interpret):
     compare(o, lse, ro, rlse, tol_for(tun, G, D, dt))
 
 
+def _products(case, mma_sync):
+    """case with its tuning's products on mma.sync ("both", the default) or wgmma ("")."""
+    return (*case[:-1], dataclasses.replace(case[-1], mma_sync=mma_sync))
+
+
+@pytest.mark.parametrize("mma_sync", ["both", ""], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_interpret_matches_reference(case):
-    _run_case(case, seed=sum(map(ord, str(case[:8]))),
+def test_interpret_matches_reference(case, mma_sync):
+    _run_case(_products(case, mma_sync), seed=sum(map(ord, str(case[:8]))),
               interpret=plgpu.InterpretGPUParams(detect_races=True))
 
 
+@pytest.mark.parametrize("mma_sync", ["both", ""], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[7]],
                          ids=[IDS[0], IDS[1], IDS[5], IDS[7]])
-def test_production_variant_cross_lowers_for_sm90(case):
+def test_production_variant_cross_lowers_for_sm90(case, mma_sync):
+    _cross_lower(_products(case, mma_sync))
+
+
+def _cross_lower(case):
     B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, tun = case
     cache = make_cache(0, 3, B, Hkv, D, Tq, kb, vb, G)
     q = make_q(1, B, Hq, D, dt)
@@ -182,41 +199,41 @@ def test_reference_matches_plain_attention(case):
 # variant, which the SMEM-staged interpreter variant does not have: cross-lowering only).
 FLAG_CASES = [
     (2, 8, 1, 128, 256, 2, 2, 32, jnp.float16, (256, 65), 1,
-     TC(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True, fold_v=True)),
-    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2, fold_k=True)),
-    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TC(256, 1, 2, fold_v=True)),
-    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TC(256, 1, 2, fold_v=False)),
+     TW(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True, fold_v=True)),
+    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TW(128, 2, 2, fold_k=True)),
+    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TW(256, 1, 2, fold_v=True)),
+    (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TW(256, 1, 2, fold_v=False)),
     (2, 4, 2, 128, 256, 2, 2, 128, jnp.bfloat16, (256, 100), 0,
-     TC(256, 1, 2, fold_k=True, fold_v=False)),
+     TW(256, 1, 2, fold_k=True, fold_v=False)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
-     TC(256, 1, 2, reload_codes=True, lean_values=True)),
+     TW(256, 1, 2, reload_codes=True, lean_values=True)),
     # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
     # update (2-bit G=32: two groups per plane; 4-bit: a fori_loop over 512-token sub-steps).
     (2, 8, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
-     TC(512, 1, 2, k_chunks=2, sub_tokens=512)),
+     TW(512, 1, 2, k_chunks=2, sub_tokens=512)),
     (2, 4, 2, 128, 1024, 4, 4, 128, jnp.bfloat16, (700, 1), 2,
-     TC(512, 2, 2, k_chunks=2, sub_tokens=512)),
-    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TC(256, 2, 2, k_chunks=2)),
+     TW(512, 2, 2, k_chunks=2, sub_tokens=512)),
+    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TW(256, 2, 2, k_chunks=2)),
     # wg_per_block: several (b, h, split) units per block, each warpgroup with its own
     # pipeline and SMEM; 2 * 2 * 2 = 8 units in blocks of 3 (the last one partly idle), ragged
     # lengths (one split of row 1 gets no steps), 3 stages with more steps than stages.
     (2, 4, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 200), 1,
-     TC(256, 2, 3, wg_per_block=3)),
-    (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2, TC(256, 3, 2, wg_per_block=2)),
+     TW(256, 2, 3, wg_per_block=3)),
+    (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2, TW(256, 3, 2, wg_per_block=2)),
     # int8_keys: the key product on int8 tensor cores (against the twin's int8 model of q * s_g)
-    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, int8_keys=True)),
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TW(256, 2, 2, int8_keys=True)),
     (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
-     TC(256, 1, 2, int8_keys=True, fold_v=False)),
+     TW(256, 1, 2, int8_keys=True, fold_v=False)),
     (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
-     TC(256, 2, 2, int8_keys=True, wg_per_block=3)),
+     TW(256, 2, 2, int8_keys=True, wg_per_block=3)),
     # fp8_values: the value product on fp8 tensor cores (against the twin's e4m3 model of
     # P * s_t), alone and with int8 keys, 2 and 4 bits, D = G = 64, two warpgroups
-    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, fp8_values=True)),
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TW(256, 2, 2, fp8_values=True)),
     (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
-     TC(256, 1, 2, int8_keys=True, fp8_values=True)),
-    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TC(256, 2, 2, fp8_values=True)),
+     TW(256, 1, 2, int8_keys=True, fp8_values=True)),
+    (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TW(256, 2, 2, fp8_values=True)),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
-     TC(256, 2, 2, int8_keys=True, fp8_values=True, wg_per_block=2)),
+     TW(256, 2, 2, int8_keys=True, fp8_values=True, wg_per_block=2)),
     # mma_sync: warp-level products (the interpreter computes them in jnp; the native
     # mma.sync path is cross-lowered here and run by the GPU cases)
     (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2, mma_sync="both")),
@@ -239,7 +256,7 @@ def test_interpret_tuning_flags_match_reference(case):
 
 @pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
 def test_tuning_flags_cross_lower_for_sm90(case):
-    test_production_variant_cross_lowers_for_sm90(case)
+    _cross_lower(case)
 
 
 def test_widen8_contraction_order():
@@ -360,21 +377,39 @@ def test_choose_tuning_low_precision_products():
     ct = kd.choose_tuning
     fast = ct(8, 8, 131072, int8_keys=True, fp8_values=True)
     assert fast.int8_keys and fast.fp8_values and fast.wg_per_block == 1
-    assert fast.num_splits == 6 and ct(8, 8, 131072).num_splits == 8
+    assert fast.num_splits == 6 and ct(8, 8, 131072, mma_sync="").num_splits == 8
     fast4 = ct(8, 8, 131072, key_bits=4, value_bits=4, int8_keys=True, fp8_values=True)
     assert fast4.num_splits == 8  # two blocks per SM by shared memory
     assert not ct(8, 8, 131072).fp8_values and not ct(8, 8, 131072).int8_keys
 
 
+def test_choose_tuning_mma_sync():
+    """Each product on mma.sync unless it takes an 8-bit wgmma (run 40), whatever applies at
+    the group size: fp8_values only at G = D, int8_keys only at G = D = 128."""
+    ct = kd.choose_tuning
+    assert ct(8, 8, 131072).mma_sync == "both"
+    assert ct(8, 8, 131072, fp8_values=True).mma_sync == "keys"
+    assert ct(8, 8, 131072, int8_keys=True).mma_sync == "values"
+    assert ct(8, 8, 131072, int8_keys=True, fp8_values=True).mma_sync == ""
+    assert ct(8, 8, 131072, group_size=32, int8_keys=True, fp8_values=True).mma_sync == "both"
+    assert ct(8, 8, 131072, mma_sync="values").mma_sync == "values"
+    with pytest.raises(ValueError, match="mma_sync"):
+        kd.TuningConfig(mma_sync="all")
+
+
 def test_choose_tuning_warpgroups_per_block():
-    """W = 3 only where run 20 measured it faster (2-bit G = 32, B * Hkv * T >= 2^22), and the
-    W pipelines of a block fit in shared memory."""
+    """W = 3 where runs 20 and 40 measured it faster (2-bit at B * Hkv * T >= 2^22: G = 32, and
+    G = 128 with the key product on mma.sync), where the W pipelines of a block fit in shared
+    memory."""
     ct = kd.choose_tuning
     assert ct(8, 8, 131072, group_size=32).wg_per_block == 3
     assert ct(32, 8, 32768, group_size=32).wg_per_block == 3
     assert ct(8, 8, 8192, group_size=32).wg_per_block == 1
     assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
-    assert ct(8, 8, 131072, group_size=128).wg_per_block == 1
+    assert ct(8, 8, 131072, group_size=128).wg_per_block == 3
+    assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 3
+    assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
+    assert ct(8, 8, 131072, group_size=128, int8_keys=True).wg_per_block == 1
     assert ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).wg_per_block == 1
     for kb, G in ((2, 32), (2, 128), (4, 128), (4, 32)):
         t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, wg_per_block=3)
@@ -442,35 +477,35 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, None),
     (3, 32, 8, 128, 8192, 4, 2, 32, jnp.float16, None),
     (2, 16, 16, 64, 4096, 2, 4, 64, jnp.bfloat16, None),
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(512, 3, 2)),
-    (2, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(1024, 2, 2)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(512, 3, 2)),
+    (2, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TW(1024, 2, 2)),
     (2, 72, 4, 128, 4096, 2, 2, 64, jnp.float16, None),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
-     TC(512, 4, 2, k_chunks=2, sub_tokens=512, lean_values=True)),
-    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, k_chunks=2, lean_values=True)),
+     TW(512, 4, 2, k_chunks=2, sub_tokens=512, lean_values=True)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, k_chunks=2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
-    (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(256, 4, 2, warp_groups=False)),
+    (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TW(256, 4, 2, warp_groups=False)),
     # G = D with the scales applied to the codes (fold_v off) / key scale folded (fold_k).
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_v=False)),
-    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(256, 4, 2, fold_v=False)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, fold_k=True)),
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16,
-     TC(256, 4, 2, fold_k=True, reload_codes=True, lean_values=True)),
+     TW(256, 4, 2, fold_k=True, reload_codes=True, lean_values=True)),
     # Three warpgroups per block, each with its own pipeline (the last block partly idle:
     # 3 * 8 * 5 = 120 units in 40 blocks; 4 * 8 * 3 = 96 in 32; 2 * 8 * 7 = 112 in 38).
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 5, 2, wg_per_block=3)),
-    (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 3, 2, wg_per_block=3)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(128, 7, 3, wg_per_block=3)),
-    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, wg_per_block=2)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 5, 2, wg_per_block=3)),
+    (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TW(256, 3, 2, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(128, 7, 3, wg_per_block=3)),
+    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TW(256, 4, 2, wg_per_block=2)),
     # int8_keys (against the twin's int8 model of q * s_g), also with three warpgroups
-    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, int8_keys=True)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, int8_keys=True, fold_v=False)),
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, int8_keys=True, wg_per_block=3)),
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 4, 2, int8_keys=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 4, 2, int8_keys=True, fold_v=False)),
+    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(256, 5, 2, int8_keys=True, wg_per_block=3)),
     # fp8_values (against the twin's e4m3 model of P * s_t), alone and with int8 keys
-    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, fp8_values=True)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, int8_keys=True, fp8_values=True)),
-    (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, fp8_values=True, wg_per_block=3)),
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 4, 2, fp8_values=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 4, 2, int8_keys=True, fp8_values=True)),
+    (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TW(256, 5, 2, fp8_values=True, wg_per_block=3)),
     (8, 32, 8, 128, 32768, 2, 2, 128, jnp.bfloat16,
-     TC(256, 8, 2, int8_keys=True, fp8_values=True)),
+     TW(256, 8, 2, int8_keys=True, fp8_values=True)),
     # mma_sync: both products on warp-level mma.sync, exact and low-precision, G 32/64/128
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 4, 2, mma_sync="both", wg_per_block=3)),
