@@ -157,6 +157,17 @@ def ablations(kb, G, which="where"):
                  False),
                 ("mma keys only W3 S6", m(mma_sync="keys", wg_per_block=3, num_splits=6),
                  False)]
+    if which == "mma3":  # run 43: the key scale folded into q (fold_k) on mma.sync
+        m = lambda **k: dataclasses.replace(d, **k)
+        if kb == 4:
+            return [("default", d, False), ("fold_k", m(fold_k=True), False),
+                    ("fold_k + fp8 values", m(fold_k=True, fp8_values=True, mma_sync="keys"),
+                     False)]
+        return [("default", d, False), ("fold_k", m(fold_k=True), False),
+                ("fold_k W1 S8", m(fold_k=True, wg_per_block=1, num_splits=8), False),
+                ("fold_k + fp8 values", m(fold_k=True, fp8_values=True, mma_sync="keys"),
+                 False),
+                ("fp8 values", m(fp8_values=True, mma_sync="keys"), False)]
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -208,7 +219,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

@@ -177,7 +177,7 @@ class TuningConfig:
       or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma: "" (none), "keys",
       "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
       from SMEM into registers (q once per split); P's hand-over between warps is a
-      warpgroup barrier. Where fold_k applies the key product stays on wgmma.
+      warpgroup barrier.
     Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
     """
 
@@ -835,7 +835,7 @@ def _make_kernel(
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
-    mmk = tuning.mma_sync in ("keys", "both") and not fold  # key product on mma.sync
+    mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
     mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -901,7 +901,7 @@ def _make_kernel(
                     qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
                 elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
                     q32 = qt_s[...]
-            if mmk and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
+            if mmk and not (i8k or fold):  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
             def fold_prep(v):
@@ -1096,6 +1096,17 @@ def _make_kernel(
                             bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
                         raw = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
                         out.append(raw.astype(jnp.float32) * fix[p][0] + fix[p][1])
+                    return out
+                if fold:  # raw code fields against q * s_g of the plane's group (fold_prep)
+                    _wg_sync(interpret)  # bq_s was written by other threads
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+                    bregs, out = {}, []
+                    for p in range(planes):
+                        g = p * PLANE // G
+                        if g not in bregs:
+                            bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
+                        out.append(_mma(zero, k_codes(v, p, cache, raw=True), bregs[g],
+                                        interpret))
                     return out
                 out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
                 for c in range(KCH):

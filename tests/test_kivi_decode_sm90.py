@@ -241,6 +241,7 @@ FLAG_CASES = [
      TC(256, 2, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
      TC(256, 2, 2, mma_sync="both", wg_per_block=3)),
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, fold_k=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
