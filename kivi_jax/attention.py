@@ -12,10 +12,10 @@ implementation:
                "reference". On a dense cache: K/V read in the cache dtype with float32
                accumulation ("reference" converts them to float32 first).
   "pallas-lowp", "auto-lowp"
-               the same with the kernel's opt-in low-precision products where they apply
-               (G = D = 128: keys on int8, values on fp8 tensor cores; `TuningConfig.int8_keys`,
-               `fp8_values`): ~1.25x faster at 2 bits, ~1.2x at 4 bits (H200, B=8, T=128k), at
-               a measured cost in accuracy (docs/performance.md, runs 24-29).
+               the same with the kernel's opt-in low-precision value product where it applies
+               (G = D: values on fp8 tensor cores, `TuningConfig.fp8_values`; keys stay exact):
+               ~1.06x faster at 2 bits, ~1.11x at 4 bits (H200, B=8, T=128k), at a measured
+               cost in accuracy (docs/performance.md, runs 28 and 40-42).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def decode_attention(
     [0, lengths[b]) of each row (ragged rows masked); float32 math; returns [B, Hq, D] in
     q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode_sm90.TuningConfig`
     for the Pallas kernel (launch parameters and opt-in flags such as int8_keys; default: its
-    heuristic; the "-lowp" implementations turn its int8_keys and fp8_values on). Raises
+    heuristic; the "-lowp" implementations turn its fp8_values on). Raises
     ValueError for bad shapes or an unknown implementation,
     NotImplementedError where "pallas" does not apply.
     """

@@ -34,7 +34,7 @@ def generate(
     implementation: str = typer.Option(
         "auto", "--implementation",
         help="decode attention: auto, reference, folded, pallas, auto-lowp, pallas-lowp (the "
-        "kernel with its int8 key and fp8 value products: faster, less exact)."
+        "kernel with its fp8 value product: faster, less exact)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     stream: bool = typer.Option(

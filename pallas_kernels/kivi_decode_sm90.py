@@ -4,12 +4,23 @@ One query token per row attends to the quantized part of a KIVI cache (docs/layo
 layer. Grid: (B, Hkv, num_splits) thread blocks, one warpgroup each (flash-decoding): block
 (b, h, s) streams the s-th slice of the token axis through a TMA pipeline, unpacks the codes in
 registers and runs both products on tensor cores with the 64 cached tokens (or channels) of a
-plane on wgmma's M and the padded query heads of the KV group on N:
+plane on M and the padded query heads of the KV group on N:
 
     S^T[t, n]  = Khat[t, :] . q'[n, :]            (M = 64 tokens, K = D, N = heads)
     O^T[d, n] += Vhat^T[d, t] . P[n, t]            (M = 64 channels, K = 64 tokens, N = heads)
 
 Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue.
+
+The tensor-core instruction (`TuningConfig.mma_sync`, docs/performance.md runs 38-44): by
+default both products run as warp-level mma.sync (`plgpu.mma`, m16n8k16: each warp its 16 rows
+of the 64-row tile, both operands in registers), which on the H200 retires this N = 8 tile in
+about half the SM time of wgmma with A in registers (~20 clocks per m64n8k16 whatever N, runs
+19-21): 2-bit G=128 at B=8 T=128k 0.350 -> 0.281 ms. The A tiles are built in the WGMMA
+register fragment, which holds the same elements per thread as mma.sync's (`_as_mma_lhs`
+relabels the registers); B (q, or P after a warpgroup barrier) is loaded from SMEM into
+registers. wgmma remains for the 8-bit products (int8/fp8 mma.sync gain no K per clock over
+fp16 mma.sync, while 8-bit wgmma doubles K) and with `mma_sync=""`; the text below says wgmma
+for both.
 
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
 the code bytes of a (64, X) tile are loaded from SMEM (swizzled by the TMA) in the 8-bit WGMMA
@@ -58,17 +69,17 @@ field masked in place is an e4m3 subnormal (byte b <= 15 reads as b * 2^-9), so 
 softmax's running max over logit + log2 s_t (logits in log2 units in this mode). Hopper's fp8
 wgmma accumulates with ~14 significant bits, so each sub-step's product goes into fresh
 accumulators, added in f32. The twin models the rounding against the kernel's own running max
-(`kivi_decode_reference(..., fp8_values=True, tuning=...)`). With `int8_keys` both products
-take K = 32 (2-bit G=128 0.346 -> 0.268-0.275 ms, 4-bit 0.390 -> 0.326 ms) and 149-167
-registers, three blocks per SM (`choose_tuning(..., int8_keys=True, fp8_values=True)`;
-`kivi_decode(..., low_precision=True)`).
+(`kivi_decode_reference(..., fp8_values=True, tuning=...)`). With the keys exact on mma.sync
+this is `kivi_decode(..., low_precision=True)` (2-bit G=128 0.260 ms, 4-bit 0.310 ms at B=8
+T=128k, run 40: faster than int8 and fp8 products both on wgmma, 0.270 / 0.325 ms, and without
+int8_keys' error).
 
 Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
 block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
 (`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168) and an SM holds W
-warpgroups; the default for 2-bit G = 32 at large B * Hkv * T (measured, `choose_tuning`).
-What bounds the loop (runs 19-21): an m64n8k16 wgmma with A in registers takes ~20 SM clocks
-whatever N, and the CUDA-core instructions add to that rather than overlapping it.
+warpgroups; the default for 2-bit caches at large B * Hkv * T (measured, `choose_tuning`).
+What bounds the loop (run 44): instruction issue, ~1160 warp instructions per 256-token step of
+which about half dequantize (the field masks, the keys' offset subtraction and fma).
 
 Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
 and scaled by sm_scale in float32 before the cast to fp16: bf16 queries work as long as
@@ -1596,7 +1607,8 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the SMEM-staged
     variant under the Mosaic GPU interpreter (any backend). `low_precision`: turn on the opt-in
     fp8 value product (`TuningConfig.fp8_values`; it applies at G = D and changes nothing
-    elsewhere) on `tuning` or on choose_tuning's, the key product staying exact on mma.sync
+    elsewhere) on `tuning` (its value product then on wgmma) or on choose_tuning's, the key
+    product staying exact on mma.sync
     (faster and more precise than the int8 key product since run 40; `int8_keys` stays
     reachable through `tuning`).
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
@@ -1611,8 +1623,10 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     if tuning is None:
         tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
                                group_size=group_size, head_dim=D, fp8_values=low_precision)
-    elif low_precision:
-        tuning = dataclasses.replace(tuning, fp8_values=True)
+    elif low_precision:  # the fp8 value product on wgmma (fp8 mma.sync was slower, run 39)
+        tuning = dataclasses.replace(
+            tuning, fp8_values=True,
+            mma_sync={"both": "keys", "values": ""}.get(tuning.mma_sync, tuning.mma_sync))
     need = max(_min_block(key_bits, value_bits), group_size)
     if tuning.block_tokens % need:
         raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "
