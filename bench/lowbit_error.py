@@ -29,8 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kivi_jax  # noqa: E402
 from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
 
-VARIANTS = {"default": {}, "int8_keys": dict(int8_keys=True), "fp8_values": dict(fp8_values=True),
-            "int8_keys + fp8_values": dict(int8_keys=True, fp8_values=True)}
+VARIANTS = {  # TuningConfig fields over choose_tuning's (products on mma.sync since run 40)
+    "default (mma.sync)": {}, "wgmma": dict(mma_sync=""),
+    "fp8_values, keys mma.sync (low_precision)": dict(fp8_values=True, mma_sync="keys"),
+    "int8_keys + fp8_values (run-28 low_precision)": dict(int8_keys=True, fp8_values=True,
+                                                          mma_sync="")}
 
 
 def dense_attention(q, k, v, lengths):
