@@ -189,7 +189,9 @@ class TuningConfig:
       "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
       from SMEM into registers (q once per split); P's hand-over between warps is a
       warpgroup barrier.
-    Defaults are what `choose_tuning` returns for B=8, Hkv=8, T=128k (docs/performance.md).
+    The flags' defaults are `choose_tuning`'s choices; the launch parameters (num_splits,
+    wg_per_block) are a generic starting point: `choose_tuning` sizes them per shape (at B=8,
+    Hkv=8, T=128k, 2-bit: W=3, S=6; docs/performance.md runs 40-42).
     """
 
     block_tokens: int = 256
