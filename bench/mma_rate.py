@@ -12,14 +12,17 @@ SM clocks per 64 x 8 x k tile (k = 16 for fp16, 32 for 8-bit) per SM (SM clock 1
 
 from __future__ import annotations
 
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+from wgmma_rate import median_seconds  # noqa: E402
 
 ITERS = 2048
 SMS = 132
@@ -81,13 +84,8 @@ def rate(kind, dtype, nacc, per_sm, lower_only=False):
     if lower_only:
         f.trace(b).lower(lowering_platforms=("cuda",))
         return 0.0
-    out = jax.block_until_ready(f(b))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(b))
-        ts.append(time.perf_counter() - t0)
-    t = sorted(ts)[2]
+    out = f(b)
+    t = median_seconds(f, b)
     kt = 32 if jnp.dtype(dtype).itemsize == 1 else 16
     tiles = per_sm * ITERS * K // kt  # 64 x 8 x kt tiles per SM
     return t * 1.98e9 / tiles, float(out[0, 0, 0])

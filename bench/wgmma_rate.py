@@ -61,17 +61,22 @@ def make(N, nacc, blocks, depth=2, K=128, dtype=jnp.float16):
                        plgpu.SMEM((64, N), jnp.float32), plgpu.Barrier()])
 
 
+def median_seconds(f, *args, reps=5):
+    """Median host time of f(*args) after one warm-up call (the launch included)."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[reps // 2]
+
+
 def rate(N, nacc, per_sm, depth=2, K=128, dtype=jnp.float16):
     blocks = SMS * per_sm
     f = jax.jit(make(N, nacc, blocks, depth, K, dtype))
     b = jnp.full((N, 128), 1 if dtype == jnp.int8 else 1.0 / 128, dtype)
-    jax.block_until_ready(f(b))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(b))
-        ts.append(time.perf_counter() - t0)
-    t = sorted(ts)[2]
+    t = median_seconds(f, b)
     return t * 1.98e9 / (per_sm * ITERS * K // (32 if dtype == jnp.int8 else 16))
 
 

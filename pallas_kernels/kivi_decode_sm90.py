@@ -1096,30 +1096,24 @@ def _make_kernel(
 
             def mma_scores(v):
                 """`scores` on mma.sync: each plane's tile against B in registers (q loaded
-                once per split; int8_keys: q * s_g of the plane's group, once per sub-step)."""
+                once per split; int8_keys / fold_k: q * s_g of the plane's group from bq_s,
+                once per group and sub-step)."""
                 cache = {}
-                if i8k:
-                    fix = int8_prep(v)
+                if i8k or fold:
+                    fix = int8_prep(v) if i8k else None
                     _wg_sync(interpret)  # bq_s was written by other threads
-                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.int32), _WG)
+                    acc_t = jnp.int32 if i8k else jnp.float32
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), acc_t), _WG)
                     bregs, out = {}, []
                     for p in range(planes):
                         g = p * PLANE // G
                         if g not in bregs:
                             bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
-                        raw = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
-                        out.append(raw.astype(jnp.float32) * fix[p][0] + fix[p][1])
-                    return out
-                if fold:  # raw code fields against q * s_g of the plane's group (fold_prep)
-                    _wg_sync(interpret)  # bq_s was written by other threads
-                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-                    bregs, out = {}, []
-                    for p in range(planes):
-                        g = p * PLANE // G
-                        if g not in bregs:
-                            bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
-                        out.append(_mma(zero, k_codes(v, p, cache, raw=True), bregs[g],
-                                        interpret))
+                        a = k_field8(v, p, cache) if i8k else k_codes(v, p, cache, raw=True)
+                        x = _mma(zero, a, bregs[g], interpret)
+                        # int8: the int32 scores times sigma_g / weight_j, plus q . z_g;
+                        # fold: the bias of `fold_prep` is added by the caller
+                        out.append(x.astype(jnp.float32) * fix[p][0] + fix[p][1] if i8k else x)
                     return out
                 out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
                 for c in range(KCH):
