@@ -351,28 +351,22 @@ def choose_tuning(
         values = not _fp8_values(probe, group_size, head_dim)
         mma_sync = {(True, True): "both", (True, False): "keys", (False, True): "values",
                     (False, False): ""}[keys, values]
-    if wg_per_block is None:
-        big = batch * kv_heads * max_tokens >= 1 << 22
-        w3 = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
-        wg_per_block = 3 if w3 else 1
-        if w3 and smem_bytes(
-                TuningConfig(block_tokens=max(256, _min_block(key_bits, value_bits),
-                                              group_size), stages=stages, wg_per_block=3,
-                             int8_keys=int8_keys, fp8_values=fp8_values),
-                key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                head_dim=head_dim, padded_heads=8) > SMEM_LIMIT:
-            wg_per_block = 1
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
         blk //= 2
     if max_tokens % blk:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
-    steps = max_tokens // blk
-    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages,
-                        wg_per_block=wg_per_block, int8_keys=int8_keys, fp8_values=fp8_values,
-                        mma_sync=mma_sync)
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages, int8_keys=int8_keys,
+                        fp8_values=fp8_values, mma_sync=mma_sync)
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
                              group_size=group_size, head_dim=head_dim, padded_heads=8)
+    if wg_per_block is None:
+        big = batch * kv_heads * max_tokens >= 1 << 22
+        w3 = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
+        # three pipelines at this block size, or one warpgroup per block (4-bit: run 40)
+        wg_per_block = 3 if w3 and size(dataclasses.replace(base, wg_per_block=3)) <= SMEM_LIMIT \
+            else 1
+    base = dataclasses.replace(base, wg_per_block=wg_per_block)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
     while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
         base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
