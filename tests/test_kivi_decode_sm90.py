@@ -12,6 +12,7 @@ first, deterministic run to run.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -110,11 +111,7 @@ def compare(o, lse, ro, rlse, tol):
 
 # (B, Hq, Hkv, D, Tq, key_bits, value_bits, G, q dtype, lengths, layer, tuning)
 TC = kd.TuningConfig
-
-
-def TW(*args, **kwargs):  # noqa: N802 - a TuningConfig with both products on wgmma
-    return TC(*args, mma_sync="", **kwargs)
-
+TW = functools.partial(TC, mma_sync="")  # a TuningConfig with both products on wgmma
 CASES = [
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (300, 0), 1, TC(256, 2, 2)),
     (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2)),
