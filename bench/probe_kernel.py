@@ -168,6 +168,18 @@ def ablations(kb, G, which="where"):
                 ("fold_k + fp8 values", m(fold_k=True, fp8_values=True, mma_sync="keys"),
                  False),
                 ("fp8 values", m(fp8_values=True, mma_sync="keys"), False)]
+    if which == "kfold":  # run 46: fold_k on mma.sync in registers, subnormal code fields
+        m = lambda **k: dataclasses.replace(d, **k)
+        f8 = dict(fp8_values=True, mma_sync="keys")
+        rows = [("default", d, False), ("fold_k", m(fold_k=True), False),
+                ("fold_k compute-only", m(fold_k=True, skip="loads"), False)]
+        if G == 128:
+            rows += [("fp8 values", m(**f8), False),
+                     ("fold_k + fp8 values", m(fold_k=True, **f8), False)]
+            if d.wg_per_block == 3:
+                rows += [("fold_k S12", m(fold_k=True, num_splits=12), False),
+                         ("fold_k W1 S8", m(fold_k=True, wg_per_block=1, num_splits=8), False)]
+        return rows
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -219,7 +231,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

@@ -273,19 +273,33 @@ def _fp8_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
 
 
 def _folds_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
-    """Whether the key scale is folded into q in fp16 (`TuningConfig.fold_k`): a 64-token plane
-    in one group and at most two groups per 256-token sub-step (the per-group work, an [N, D]
-    operand and two sums over D, is then small against the dequantization it saves); not with
-    int8_keys, which folds it its own way."""
-    return bool(tuning.fold_k and group_size >= 128
+    """Whether the key scale is folded into q through SMEM for a wgmma key product
+    (`TuningConfig.fold_k` with the keys not on mma.sync): a 64-token plane in one group and at
+    most two groups per 256-token sub-step (the per-group work, an [N, D] operand and two sums
+    over D, is then small against the dequantization it saves); not with int8_keys, which
+    folds it its own way."""
+    return bool(tuning.fold_k and group_size >= 128 and not _mma_keys(tuning)
+                and not _int8_keys(tuning, group_size, head_dim))
+
+
+def _mma_keys(tuning: TuningConfig) -> bool:
+    return tuning.mma_sync in ("keys", "both")
+
+
+def _folds_keys_mma(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key scale is folded into mma.sync's B operand in registers
+    (`TuningConfig.fold_k` with the keys on mma.sync, any G): code fields as fp16 subnormals
+    (`_field_sub`), B = fp16(q * s_g) per register (`_scale_rhs`), q . z_g from one mma.sync
+    per two planes (`_rows_of`); not with int8_keys."""
+    return bool(tuning.fold_k and _mma_keys(tuning)
                 and not _int8_keys(tuning, group_size, head_dim))
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
     64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
-    if (_folds_keys(tuning, group_size, head_dim) or _int8_keys(tuning, group_size, head_dim)
-            or head_dim % (PLANE * tuning.k_chunks)):
+    if (_folds_keys(tuning, group_size, head_dim) or _folds_keys_mma(tuning, group_size, head_dim)
+            or _int8_keys(tuning, group_size, head_dim) or head_dim % (PLANE * tuning.k_chunks)):
         return 1
     return tuning.k_chunks
 
@@ -429,6 +443,21 @@ def _field_to_f16(y16, bits: int, j: int):
     return _field_raw(y16, bits, j) - jnp.float16(_field_offset(bits, j))
 
 
+def _field_sub(y16, bits: int, j: int):
+    """Code field j of code bytes widened *without* exponent bits (`_widen8(...,
+    exponent=False)`, or a plain u8 -> u16) masked in place: the fp16 bit pattern code *
+    2^(bits*j) read as the subnormal number code * 2^(bits*j - 24), exact and without an
+    offset (tensor cores take fp16 subnormals as they are). One and per element pair."""
+    mask = ((1 << bits) - 1) << (bits * j)
+    return lax.bitcast_convert_type(y16 & jnp.uint16(mask), jnp.float16)
+
+
+def _field_sub_weight(bits: int, j: int) -> float:
+    """What a product over `_field_sub(..., bits, j)` operands is multiplied by to weigh the
+    codes 1: 2^(24 - bits*j)."""
+    return float(2 ** (24 - bits * j))
+
+
 # Permuted contraction order of the widen8 path: within each 16-wide block, position p of the
 # fp16 operand holds element _PERM16[p]. It is the order in which the 8-bit WGMMA fragment (four
 # consecutive bytes per register) lands in the 16-bit fragment (two consecutive elements per
@@ -453,9 +482,10 @@ def _lane_warp():
     return arith.andi(tid, _i32(31)), arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
 
 
-def _widen8(codes_ref, transforms):
+def _widen8(codes_ref, transforms, exponent: bool = True):
     """(64, X) uint8 code tile in SMEM -> (64, X) uint16 in the WGMMA layout, every byte widened
-    with the exponent bits set (as `_widen_codes`), columns in the `_PERM16` order.
+    with the exponent bits set (as `_widen_codes`; exponent=False: zero high bytes, for
+    `_field_sub`), columns in the `_PERM16` order.
 
     The bytes are loaded in the 8-bit WGMMA layout (four consecutive bytes of a row per
     register); one `prmt` per output register interleaves two of them with the exponent byte.
@@ -475,12 +505,13 @@ def _widen8(codes_ref, transforms):
                                                is_signed=False, optimized=False)
         i32 = ir.IntegerType.get_signless(32)
         pair_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
+        high = 0x7C7C7C7C if exponent else 0
         regs = x.registers
         out = np.empty((1, X // 8, *regs.shape[2:]), dtype=object)
         for idx in np.ndindex(regs.shape):
             w = mgpu_utils.bitcast(regs[idx], i32)
             for half, sel in ((0, 0x4140), (1, 0x4342)):  # bytes (0, 1) / (2, 3) of w
-                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(0x7C7C7C7C),
+                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(high),
                                           _i32(sel), result_types=i32)
                 out[(idx[0], 2 * idx[1] + half, *idx[2:])] = mgpu_utils.bitcast(r, pair_ty)
         return mgpu_fa.FragmentedArray(_registers=out, _layout=mgpu_fa.WGMMA_LAYOUT,
@@ -732,6 +763,78 @@ def _as_mma_lhs(x):
     return relabel(x)
 
 
+def _fresh(r):
+    """The register r through an integer of its width and back: a new SSA value, so that MLIR
+    does not fold a per-register relabelling (vector -> registers -> vector) away."""
+    bits = ir.VectorType(r.type).get_dim_size(0) * mgpu_utils.bitwidth(
+        ir.VectorType(r.type).element_type)
+    return mgpu_utils.bitcast(mgpu_utils.bitcast(r, ir.IntegerType.get_signless(bits)), r.type)
+
+
+def _origins(xa):
+    """{logical index of the register for lane 0 of warp 0: register} of a FragmentedArray."""
+    return {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
+
+
+def _scale_rhs(b, s):
+    """fp16(b[k, n] * s[k]): b (K, N) mma.sync's B operand (`Layout.MMA_RHS`), s (K,) in the
+    reduce(0) WGMMA layout (warps may hold different vectors, `_vec_load` with G). Both give
+    lane l the elements k = 8i + 2 (l % 4) + (0, 1), so it is one fp16x2 multiply per register
+    (Mosaic has no broadcast of a vector into MMA_RHS). Not interpretable."""
+    lay = plgpu.Layout.MMA_RHS(b.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(lay, _WG.reduce(0)),
+                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
+    def scale(_, ba, sa):
+        s_at = _origins(sa)
+        regs = np.empty_like(ba.registers)
+        for i, r in np.ndenumerate(ba.registers):
+            regs[i] = arith.mulf(r, s_at[(ba.layout.tiling.untile_indices(i)[0],)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
+
+    return scale(b, s)
+
+
+def _rows_of(za, zb):
+    """The (64, X) tile (WGMMA layout) whose rows 16 w + (0..7) are za and 16 w + (8..15) zb,
+    both (X,) in the reduce(0) layout (per-warp vectors allowed): lane (g, t) holds rows g and
+    g + 8 of its warp's 16, so one mma.sync against it gives both vectors' products with B.
+    Per register, no instructions. Not interpretable."""
+    X = za.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0), _WG.reduce(0)),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), za.dtype, layout=_WG))
+    def rows(_, a, b):
+        src = (_origins(a), _origins(b))
+        lay = mgpu_fa.WGMMA_LAYOUT
+        regs = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            regs[i] = _fresh(src[r0 // 8 % 2][(c0,)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
+
+    return rows(za, zb)
+
+
+def _row_half(x, h: int):
+    """x (64, N) in the WGMMA layout with rows 16 w + 8 h + (0..7) of every warp copied over
+    its 16 rows: the (64, N) broadcast of the h-th vector of a `_rows_of` product. Per
+    register, no instructions. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=_WG))
+    def pick(_, xa):
+        at = _origins(xa)
+        regs = np.empty_like(xa.registers)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            regs[i] = _fresh(at[(r0 - r0 % 16 + 8 * h, c0)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
+                                       _is_signed=xa.is_signed)
+
+    return pick(x)
+
+
 def _mma_rhs(ref, interpret):
     """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
     if interpret:
@@ -824,6 +927,7 @@ def _make_kernel(
     VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
     f16 = jnp.float16
     fold = _folds_keys(tuning, G, D)
+    kfold = _folds_keys_mma(tuning, G, D)
     i8k = _int8_keys(tuning, G, D)
     NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
@@ -838,6 +942,9 @@ def _make_kernel(
         widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
     else:
         widen_k = widen_v = lambda ref: _widen_codes(ref[...])
+    # kfold: the key code bytes widened without exponent bits (fields as fp16 subnormals)
+    widen_k0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, D), exponent=False) if w8
+                else lambda ref: ref[...].astype(jnp.uint16))
     extra_names = (["qt_s", "bq_s", "bar2"] if fold else
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
@@ -908,7 +1015,7 @@ def _make_kernel(
                     qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
                 elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
                     q32 = qt_s[...]
-            if mmk and not (i8k or fold):  # q^T as mma.sync's B operand: registers, loop-invariant
+            if mmk and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
             def fold_prep(v):
@@ -1088,26 +1195,83 @@ def _make_kernel(
                     out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
                 return out
 
+            def kfold_scores(v):
+                """fold_k on mma.sync (`_folds_keys_mma`): S^T of plane p (field j, group g)
+                = (codes_j * 2^(bits j - 24)) . fp16(q * s_g) * 2^(24 - bits j) + q . z_g. The
+                code fields enter as fp16 subnormals (`_field_sub`: one and per element pair,
+                no offset, no fma), B = q * s_g is one fp16x2 multiply per register of q's B
+                operand (`_scale_rhs`) per group, and q . z_g comes from one more mma.sync per
+                two planes whose A rows are the two groups' minimums (`_rows_of`). G < 128:
+                each warp scales by the vectors of its own 16 rows' group (`_vec_load` with
+                G; warp_groups is implied)."""
+                f32 = jnp.float32
+                zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), f32), _WG)
+                q = qb[0]  # (D, NP) B operand (registers natively, an array interpreted)
+                if interpret:  # per row half (G = 32: two groups per plane), in jnp
+                    out = []
+                    for p in range(planes):
+                        r = p // Pk
+                        a = _field_sub(widen_k0(v["kcodes"](r, 0)), key_bits, p % Pk)
+                        halves = []
+                        for hf in range(2):
+                            g = (p * PLANE + hf * PLANE // 2) // G
+                            bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
+                            x = jnp.dot(a[hf * 32:(hf + 1) * 32], bq, preferred_element_type=f32)
+                            bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
+                            halves.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
+                        out.append(jnp.concatenate(halves, axis=0))
+                    return out
+                vecs, codes, bqs = {}, {}, {}
+
+                def vec(which, p):
+                    """The scale or minimum of plane p's group(s): per warp below G = 64."""
+                    g = p * PLANE // G
+                    if (which, g) not in vecs:
+                        vecs[which, g] = (_vec_load(v[which](g), perm=w8) if G >= PLANE else
+                                          _vec_load(v[which](g, PLANE // G), G=G, perm=w8))
+                    return vecs[which, g]
+
+                # one key per distinct group vector (G = 128: two planes share one), paired
+                # for the bias products
+                key = [p * PLANE // G if G > PLANE else p for p in range(planes)]
+                uniq = list(dict.fromkeys(key))
+                first = {k: key.index(k) for k in uniq}
+                bias = {}
+                for i in range(0, len(uniq), 2):
+                    ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
+                    c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])), q,
+                             interpret)
+                    bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                out = []
+                for p in range(planes):
+                    r, k = p // Pk, key[p]
+                    if r not in codes:  # one SMEM load of a byte tile serves its Pk planes
+                        codes[r] = widen_k0(v["kcodes"](r, 0))
+                    if k not in bqs:
+                        bqs[k] = _scale_rhs(q, vec("kscale", p))
+                    x = _mma(zero, _field_sub(codes[r], key_bits, p % Pk), bqs[k], interpret)
+                    out.append(x * _field_sub_weight(key_bits, p % Pk) + bias[k])
+                return out
+
             def mma_scores(v):
                 """`scores` on mma.sync: each plane's tile against B in registers (q loaded
-                once per split; int8_keys / fold_k: q * s_g of the plane's group from bq_s,
-                once per group and sub-step)."""
+                once per split; int8_keys: q * s_g of the plane's group from bq_s, once per
+                group and sub-step; fold_k: `kfold_scores`)."""
+                if kfold:
+                    return kfold_scores(v)
                 cache = {}
-                if i8k or fold:
-                    fix = int8_prep(v) if i8k else None
+                if i8k:
+                    fix = int8_prep(v)
                     _wg_sync(interpret)  # bq_s was written by other threads
-                    acc_t = jnp.int32 if i8k else jnp.float32
-                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), acc_t), _WG)
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.int32), _WG)
                     bregs, out = {}, []
                     for p in range(planes):
                         g = p * PLANE // G
                         if g not in bregs:
                             bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
-                        a = k_field8(v, p, cache) if i8k else k_codes(v, p, cache, raw=True)
-                        x = _mma(zero, a, bregs[g], interpret)
-                        # int8: the int32 scores times sigma_g / weight_j, plus q . z_g;
-                        # fold: the bias of `fold_prep` is added by the caller
-                        out.append(x.astype(jnp.float32) * fix[p][0] + fix[p][1] if i8k else x)
+                        x = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
+                        # the int32 scores times sigma_g / weight_j, plus q . z_g
+                        out.append(x.astype(jnp.float32) * fix[p][0] + fix[p][1])
                     return out
                 out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
                 for c in range(KCH):

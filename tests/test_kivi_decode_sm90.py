@@ -238,7 +238,17 @@ FLAG_CASES = [
      TC(256, 2, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
      TC(256, 2, 2, mma_sync="both", wg_per_block=3)),
+    # fold_k on mma.sync: subnormal code fields, q * s_g per register, q . z_g by mma.sync;
+    # G 128 / 64 (D = 64, 4-bit keys) / 32 (per-warp groups, 8 planes per sub-step), with
+    # three warpgroups and with the fp8 value product
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TC(256, 2, 2, fold_k=True)),
+    (1, 4, 2, 64, 512, 4, 2, 64, jnp.bfloat16, (450,), 0, TC(256, 2, 2, fold_k=True)),
+    (2, 8, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(512, 1, 2, fold_k=True, sub_tokens=512)),
+    (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3)),
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1,
+     TC(256, 2, 2, fold_k=True, fp8_values=True, mma_sync="keys")),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
@@ -511,6 +521,15 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(256, 4, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
     (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, mma_sync="both", fold_v=False)),
+    # fold_k on mma.sync (subnormal code fields, q * s_g per register, q . z_g by mma.sync):
+    # G 128 / 32 (per-warp groups) / 64 (D = 64), three warpgroups, with the fp8 value product
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True, wg_per_block=3)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 4, 2, fold_k=True, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True)),
+    (3, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, fold_k=True)),
+    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16, TC(256, 3, 2, fold_k=True)),
+    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, fp8_values=True, mma_sync="keys", wg_per_block=3)),
 ]
 
 
