@@ -33,7 +33,10 @@ VARIANTS = {  # TuningConfig fields over choose_tuning's (products on mma.sync s
     "default (mma.sync)": {}, "wgmma": dict(mma_sync=""),
     "fp8_values, keys mma.sync (low_precision)": dict(fp8_values=True, mma_sync="keys"),
     "int8_keys + fp8_values (run-28 low_precision)": dict(int8_keys=True, fp8_values=True,
-                                                          mma_sync="")}
+                                                          mma_sync=""),
+    "fold_k (mma.sync)": dict(fold_k=True),
+    "fold_k + fp8_values": dict(fold_k=True, fp8_values=True, mma_sync="keys"),
+    "no fold_k (mma.sync)": dict(fold_k=False)}
 
 
 def dense_attention(q, k, v, lengths):
@@ -59,9 +62,13 @@ def main():
     ap.add_argument("--kernel", action="store_true", help="also the kernel variants (Hopper GPU)")
     ap.add_argument("--interpret", action="store_true",
                     help="the kernel variants under the GPU interpreter (any backend; slow)")
+    ap.add_argument("--variants", default="",
+                    help="comma list of indices into VARIANTS (default: all)")
     a = ap.parse_args()
     B, Hq, Hkv, D, G = 2, 32, 8, 128, 128
     names = list(VARIANTS) if a.kernel or a.interpret else []
+    if a.variants:
+        names = [names[int(i)] for i in a.variants.split(",")]
     print("| bits | T | q std | KIVI (jnp reference) | "
           + " | ".join(f"kernel {n}: vs dense / vs KIVI" for n in names) + " |")
     print("|---" * (4 + len(names)) + "|")

@@ -180,6 +180,26 @@ def ablations(kb, G, which="where"):
                 rows += [("fold_k S12", m(fold_k=True, num_splits=12), False),
                          ("fold_k W1 S8", m(fold_k=True, wg_per_block=1, num_splits=8), False)]
         return rows
+    if which == "kfold2":  # run 47: fold_k with four warpgroups per block, more stages
+        f = dataclasses.replace(d, fold_k=True)
+        m = lambda **k: dataclasses.replace(f, **k)
+        f8 = dict(fp8_values=True, mma_sync="keys")
+        if kb == 4:
+            return [("fold_k", f, False), ("fold_k W2 S8", m(wg_per_block=2, num_splits=8), False),
+                    ("fold_k + fp8 W2 S8", m(wg_per_block=2, num_splits=8, **f8), False)]
+        rows = [("fold_k", f, False),
+                ("fold_k W4 S8", m(wg_per_block=4, num_splits=8), False),
+                ("fold_k W4 S16", m(wg_per_block=4, num_splits=16), False),
+                ("fold_k W4 S8 compute-only", m(wg_per_block=4, num_splits=8, skip="loads"),
+                 False),
+                ("fold_k W4 S8 pipeline-only", m(wg_per_block=4, num_splits=8, skip="compute"),
+                 False)]
+        if G == 128:
+            rows += [("fold_k W3 st3", m(stages=3), False),
+                     ("fold_k W2 512", m(wg_per_block=2, num_splits=8, block_tokens=512,
+                                         sub_tokens=512), False),
+                     ("fold_k + fp8 W4 S8", m(wg_per_block=4, num_splits=8, **f8), False)]
+        return rows
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -231,7 +251,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold | kfold2")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
