@@ -36,7 +36,8 @@ VARIANTS = {  # TuningConfig fields over choose_tuning's (products on mma.sync s
                                                           mma_sync=""),
     "fold_k (mma.sync)": dict(fold_k=True),
     "fold_k + fp8_values": dict(fold_k=True, fp8_values=True, mma_sync="keys"),
-    "no fold_k (mma.sync)": dict(fold_k=False)}
+    "no fold_k (mma.sync)": dict(fold_k=False),
+    "no subnormal values": dict(subnormal_values=False)}
 
 
 def dense_attention(q, k, v, lengths):

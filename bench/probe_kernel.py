@@ -200,6 +200,16 @@ def ablations(kb, G, which="where"):
                                          sub_tokens=512), False),
                      ("fold_k + fp8 W4 S8", m(wg_per_block=4, num_splits=8, **f8), False)]
         return rows
+    if which == "vsub":  # run 48: value fields as fp16 subnormals, log2-unit logits
+        m = lambda **k: dataclasses.replace(d, **k)
+        f8 = dict(fp8_values=True, mma_sync="keys")
+        rows = [("default", d, False), ("no subnormal values", m(subnormal_values=False), False),
+                ("default compute-only", m(skip="loads"), False)]
+        if G == 128:
+            rows += [("fp8 values", m(**f8), False)]
+        if d.wg_per_block == 1:
+            rows += [("W2 S8", m(wg_per_block=2, num_splits=8), False)]
+        return rows
     if which == "fold":  # both scales folded (default at G = D = 128) against fold_k / both off
         return [("default", d, False), ("no fold_k", r(fold_k=False), False),
                 ("no folds", r(fold_k=False, fold_v=False), False),
@@ -251,7 +261,7 @@ def main():
                     help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
-                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold | kfold2")
+                    "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold | kfold2 | vsub")
     ap.add_argument("--pairs", default="", help="bits:G list, e.g. 2:128,2:32,4:128")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()

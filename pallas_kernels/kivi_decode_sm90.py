@@ -173,7 +173,7 @@ class TuningConfig:
       bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
       code * weight * 2^-9: one and per four elements, one shift per word for the upper
       nibble, no offset), B = e4m3(P * s_t * 2^8 / weight). P * s_t stays <= 1 because the
-      softmax's running max is taken over logit + log2 s_t (logits in log2 units; `fp8_prep`:
+      softmax's running max is taken over logit + log2 s_t (logits in log2 units; `val_prep`:
       P = B * weight / (256 s_t) for the sum and the minimums' term, one fma each). Each
       sub-step's product gets fresh accumulators (Hopper's fp8 accumulation keeps ~14 bits).
       Costs precision: B carries 4 significant bits (see docs/performance.md; the twin models
@@ -189,6 +189,12 @@ class TuningConfig:
       "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
       from SMEM into registers (q once per split); P's hand-over between warps is a
       warpgroup barrier.
+    subnormal_values: with fold_v and the value product on mma.sync, the value code fields
+      enter as fp16 subnormals (`_field_sub`: code * 2^(bits j - 24), one and per element pair
+      and no offset to subtract) and B = P * s_t * 2^(14 - bits j), taken against a running
+      max over logit + log2 s_t as fp8_values does (`val_prep`), weighs every plane's codes
+      alike. Off: the run-40 fold_v (fields with their offsets, whose sum is subtracted every
+      sub-step through a cross-warp reduction).
     The flags' defaults are `choose_tuning`'s choices; the launch parameters (num_splits,
     wg_per_block) are a generic starting point: `choose_tuning` sizes them per shape (at B=8,
     Hkv=8, T=128k, 2-bit: W=3, S=6; docs/performance.md runs 40-42).
@@ -214,6 +220,7 @@ class TuningConfig:
     int8_keys: bool = False
     fp8_values: bool = False
     mma_sync: str = "both"
+    subnormal_values: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -372,14 +379,20 @@ def choose_tuning(
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
     base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages, int8_keys=int8_keys,
                         fp8_values=fp8_values, mma_sync=mma_sync)
+    # the key scale folded into mma.sync's B in registers (run 46: 2-bit G=128 0.286 -> 0.264
+    # ms, 4-bit 0.357 -> 0.340, G=32 even; the same error, run 47)
+    base = dataclasses.replace(base, fold_k=_mma_keys(base) and not _int8_keys(
+        base, group_size, head_dim))
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
                              group_size=group_size, head_dim=head_dim, padded_heads=8)
     if wg_per_block is None:
         big = batch * kv_heads * max_tokens >= 1 << 22
-        w3 = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
-        # three pipelines at this block size, or one warpgroup per block (4-bit: run 40)
-        wg_per_block = 3 if w3 and size(dataclasses.replace(base, wg_per_block=3)) <= SMEM_LIMIT \
-            else 1
+        many = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
+        # W = 4 (2-bit G=128 with fold_k: 0.263 -> 0.249 ms, run 47) where four pipelines fit
+        # at this block size, else three (2-bit G=32: four do not fit), else one (4-bit: run 40)
+        fits = [w for w in ((4, 3) if base.fold_k and group_size == 128 else (3,))
+                if size(dataclasses.replace(base, wg_per_block=w)) <= SMEM_LIMIT]
+        wg_per_block = fits[0] if many and fits else 1
     base = dataclasses.replace(base, wg_per_block=wg_per_block)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
     while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
@@ -407,6 +420,9 @@ def _swz(dtype, minor_elems):
 
 
 _EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
+# vsub (fold_v on mma.sync): B = P * s_t * 2^(_VSUB_C - bits j) relative to the running max of
+# P * s_t stays <= 2^14 (fp16 range) and normal down to 2^-22 (2-bit) / 2^-24 (4-bit) of it.
+_VSUB_C = 14
 _RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
 
 
@@ -933,6 +949,11 @@ def _make_kernel(
     reload = tuning.reload_codes
     f8v = _fp8_values(tuning, G, D)
     fv = _folds_values(tuning, G, D) and not f8v
+    mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
+    # fold_v on mma.sync: value code fields as fp16 subnormals (no offset), B = P * s_t scaled
+    # per field against a running max over logit + log2 s_t (`val_prep`), as fp8_values does
+    vsub = fv and mmv and tuning.subnormal_values
+    lgmax = f8v or vsub  # the softmax's running max is over logit + log2 s_t
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -945,12 +966,13 @@ def _make_kernel(
     # kfold: the key code bytes widened without exponent bits (fields as fp16 subnormals)
     widen_k0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, D), exponent=False) if w8
                 else lambda ref: ref[...].astype(jnp.uint16))
+    widen_v0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE), exponent=False)
+                if w8 else lambda ref: ref[...].astype(jnp.uint16))
     extra_names = (["qt_s", "bq_s", "bar2"] if fold else
                    ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
-    mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1179,21 +1201,39 @@ def _make_kernel(
                     cache[r] = plgpu.load(v["vcodes"](*r), (), layout=plgpu.Layout.WGMMA_8BIT)
                 return _code_field8(cache[r], spec, jnp.float8_e4m3fn)
 
-            def fp8_prep(v):
-                """fp8_values (logits in log2 units): per plane p (field weight w), the (64, N)
-                broadcasts of log2 s_t, u = w / (256 s_t) and z_t * u, with s_t clamped to
-                2^-24 so that a zero scale stays finite. The B operand is then
-                B' = 2^(logit + log2 s_t - m + 8 - log2 w) = P * s_t * 256 / w, and P = B' * u,
-                P * z_t = B' * (z_t * u): one fma each for the sums."""
+            def b_shift(p):
+                """lgmax: log2 of the constant c_p in the value product's B = P * s_t * c_p of
+                plane p (field j): fp8_values 256 / w_j (the e4m3 field reads as code * w_j *
+                2^-9); vsub 2^(_VSUB_C - bits j) (the subnormal field reads as code * 2^(bits j
+                - 24)). Either way the product weighs every plane's codes alike (undone at the
+                end) and B <= 2^shift: in e4m3, resp. fp16, range."""
+                if f8v:
+                    return 8.0 - float(np.log2(_f8_field_spec(value_bits, p % Pv)[2]))
+                return float(_VSUB_C - value_bits * (p % Pv))
+
+            def val_prep(v):
+                """lgmax (logits in log2 units): per plane p, the (64, N) broadcasts of log2 s_t,
+                u = 2^-b_shift(p) / s_t and z_t * u, with s_t clamped to 2^-24 so that a zero
+                scale stays finite. The B operand is then B = 2^(logit + log2 s_t - m +
+                b_shift(p)) = P * s_t * c_p, and P = B * u, P * z_t = B * (z_t * u): one fma
+                each for the sums."""
                 out = []
                 for p in range(planes):
                     sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
                     zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
                     s1 = jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24)
-                    u = (_f8_field_spec(value_bits, p % Pv)[2] / 256.0) / s1
+                    u = 2.0 ** -b_shift(p) / s1
                     bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
                     out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
                 return out
+
+            def v_codes_sub(v, p, m, cache):
+                """vsub: value code field of plane p, channel tile m, as fp16 subnormals (64
+                channels, 64 tokens) = code * 2^(bits j - 24) (`_field_sub`)."""
+                r = (p // Pv, m, "sub")
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
+                    cache[r] = widen_v0(v["vcodes"](p // Pv, m))
+                return _field_sub(cache[r], value_bits, p % Pv)
 
             def kfold_scores(v):
                 """fold_k on mma.sync (`_folds_keys_mma`): S^T of plane p (field j, group g)
@@ -1366,28 +1406,27 @@ def _make_kernel(
                 st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
                                 -jnp.inf)
                       for p, x in enumerate(scores(v))]
-                if f8v:  # the running max over logit + log2 s_t keeps B = P * s_t <= 1
-                    f8 = fp8_prep(v)
-                    st = [x + f8[p][0] for p, x in enumerate(st)]
+                if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
+                    pre = val_prep(v)
+                    st = [x + pre[p][0] for p, x in enumerate(st)]
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
                 m_new = jnp.maximum(m_run, red(tmax, "max"))
-                exp_ = jnp.exp2 if f8v else jnp.exp  # f8v: logits in log2 units (`_kivi_decode`)
-                alpha = exp_(m_run - m_new)
+                alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
                 ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
-                if f8v:  # B' = P * s_t * 256 / w (the scale folded into the exponent), f32 sums
+                if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
                     bs = []
                     for p, x in enumerate(st):
-                        c = 8.0 - np.log2(_f8_field_spec(value_bits, p % Pv)[2])
-                        bs.append(jnp.exp2(x - lax.broadcast_in_dim(m_new - c, (PLANE, NP), [1])))
+                        mc = lax.broadcast_in_dim(m_new - b_shift(p), (PLANE, NP), [1])
+                        bs.append(jnp.exp2(x - mc))
                     l_t, zacc = l_t * ab, zaccs[0] * ab
                     for p, x in enumerate(bs):
-                        l_t, zacc = l_t + x * f8[p][1], zacc + x * f8[p][2]
+                        l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                     zaccs = (zacc,)
                 else:
                     mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
-                    ps = [jnp.exp(x - mb) for x in st]
+                    ps = [jnp.exp2(x - mb) for x in st]
                     l_t = l_t * ab
                     for x in ps:
                         l_t = l_t + x
@@ -1395,12 +1434,15 @@ def _make_kernel(
                 if tuning.skip == "values":
                     return m_new, l_t, accs, zaccs
                 corr = None
-                if fv:
+                if fv and not vsub:
                     corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
                 if f8v:  # the B operand of every plane: e4m3 (through fp16) of B'
                     for p in range(planes):
                         x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)
                         p_s.at[p].T[...] = x16.astype(p_s.dtype)
+                if vsub:
+                    for p in range(planes):
+                        _store_p(bs[p].astype(f16), p)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
                 # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
@@ -1418,8 +1460,8 @@ def _make_kernel(
                             _store_p(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
                 plgpu.commit_smem()
-                vt = (v_field8 if f8v else functools.partial(v_codes, raw=True) if fv else
-                      v_tile)
+                vt = (v_field8 if f8v else v_codes_sub if vsub else
+                      functools.partial(v_codes, raw=True) if fv else v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
                 if mmv:  # P (stored by every warp) as each warp's B operand, in registers
@@ -1530,15 +1572,15 @@ def _make_kernel(
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
             ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
-            if fv or f8v:  # the minimums' term (f8v: the codes' product carries a factor 1/2)
+            if fv or f8v:  # the minimums' term; lgmax: the codes' product weighs 2^-1 (f8v)
+                # or 2^(_VSUB_C - 24) (vsub)
                 zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
-                accs = [(a * 2.0 if f8v else a) + zs for a in accs]
+                cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C)) if vsub else 1.0
+                accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
             for mt in range(mtiles):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
-            if f8v:  # log2 units -> natural log
-                lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
-            else:
-                lse = m_run + jnp.log(jnp.where(ok, l, 1.0))
+            # log2 units -> natural log
+            lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
             lse_s[...] = jnp.where(ok, lse, -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
@@ -1697,10 +1739,9 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
     NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
-    # sm_scale is applied in float32 before the cast to the fp16 wgmma operand; fp8_values works
-    # in log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
-    if _fp8_values(tuning, group_size, D):
-        sm_scale = sm_scale * float(np.log2(np.e))
+    # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
+    # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
+    sm_scale = sm_scale * float(np.log2(np.e))
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).

@@ -309,13 +309,41 @@ def test_value_fold_gating():
 
 
 def test_key_fold_gating():
-    """The key scale folds into q where a 256-token sub-step holds at most two groups."""
-    on = TC(fold_k=True)
-    assert kd._folds_keys(on, 128) and not kd._folds_keys(on, 64)
-    assert not kd._folds_keys(on, 32) and not kd._folds_keys(TC(), 128)  # opt-in
+    """fold_k: with the key product on wgmma the key scale folds into q through SMEM where a
+    256-token sub-step holds at most two groups; on mma.sync it folds in registers at every G.
+    Either way the key product stays in one chunk; choose_tuning turns it on for mma.sync."""
+    on, on_wg = TC(fold_k=True), TC(fold_k=True, mma_sync="")
+    assert kd._folds_keys(on_wg, 128) and not kd._folds_keys(on_wg, 64)
+    assert not kd._folds_keys(on_wg, 32) and not kd._folds_keys(TC(mma_sync=""), 128)
+    assert not kd._folds_keys(on, 128)  # mma.sync: the register fold instead
+    for G in (32, 64, 128):
+        assert kd._folds_keys_mma(on, G) and kd._folds_keys_mma(TC(fold_k=True, mma_sync="keys"), G)
+        assert not kd._folds_keys_mma(on_wg, G) and not kd._folds_keys_mma(TC(), G)
+        assert not kd._folds_keys_mma(TC(fold_k=True, mma_sync="values"), G)
+    assert not kd._folds_keys_mma(TC(fold_k=True, int8_keys=True), 128)
     assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 128) == 1
-    assert kd._key_chunks(TC(k_chunks=2), 128, 32) == 2
+    assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 32) == 1
+    assert kd._key_chunks(TC(k_chunks=2, mma_sync=""), 128, 32) == 2
     assert kd._uses_widen8(TC(fold_k=True), False)
+    ct = kd.choose_tuning
+    assert ct(8, 8, 131072).fold_k and ct(8, 8, 131072, group_size=32).fold_k
+    assert ct(8, 8, 131072, fp8_values=True).fold_k
+    assert not ct(8, 8, 131072, mma_sync="").fold_k
+    assert not ct(8, 8, 131072, int8_keys=True).fold_k
+
+
+def test_subnormal_code_fields():
+    """`_field_sub`: every code of every field, masked in place from a byte widened without
+    exponent bits, is the fp16 subnormal code * 2^(bits j - 24), and a product over it times
+    `_field_sub_weight` weighs the code 1."""
+    for bits in (2, 4):
+        for j in range(8 // bits):
+            for code in range(2 ** bits):
+                byte = code << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
+                x = kd._field_sub(jnp.uint16(byte), bits, j)
+                assert x.dtype == jnp.float16
+                assert float(x) == code * 2.0 ** (bits * j - 24), (bits, j, code)
+                assert float(x) * kd._field_sub_weight(bits, j) == code
 
 
 def test_int8_key_gating():
@@ -406,16 +434,18 @@ def test_choose_tuning_mma_sync():
 
 
 def test_choose_tuning_warpgroups_per_block():
-    """W = 3 where runs 20 and 40 measured it faster (2-bit at B * Hkv * T >= 2^22: G = 32, and
-    G = 128 with the key product on mma.sync), where the W pipelines of a block fit in shared
-    memory."""
+    """Several warpgroups per block where runs 20, 40 and 47 measured it faster (2-bit at
+    B * Hkv * T >= 2^22: G = 32, and G = 128 with the key product on mma.sync), where the W
+    pipelines of a block fit in shared memory: W = 4 at G = 128 with fold_k, else W = 3."""
     ct = kd.choose_tuning
-    assert ct(8, 8, 131072, group_size=32).wg_per_block == 3
+    assert ct(8, 8, 131072, group_size=32).wg_per_block == 3  # four do not fit
     assert ct(32, 8, 32768, group_size=32).wg_per_block == 3
     assert ct(8, 8, 8192, group_size=32).wg_per_block == 1
     assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
-    assert ct(8, 8, 131072, group_size=128).wg_per_block == 3
-    assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 3
+    assert ct(8, 8, 131072, group_size=128).wg_per_block == 4
+    assert ct(8, 8, 131072, group_size=128).num_splits == 8
+    assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
+    assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
     assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
     assert ct(8, 8, 131072, group_size=128, int8_keys=True).wg_per_block == 1
     assert ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).wg_per_block == 1
