@@ -1,0 +1,44 @@
+"""TuningConfig variants at given (B, T) points, cuDNN fp16 in the same process.
+
+    PYTHONPATH=. python3 bench/point_compare.py --points 16x4096,4x32768 --kbg 2:128 \
+        --variants "default;fold_k=0;subnormal_values=0"
+
+Timing as bench/decode_attention.py (Hq=32, Hkv=8, D=128). A variant is "default"
+(choose_tuning's) or comma-separated overrides of it (`decode_attention.override`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import decode_attention as da  # noqa: E402
+
+from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", default="16x4096,4x32768", help="BxT list")
+    ap.add_argument("--kbg", default="2:128", help="bits:G list")
+    ap.add_argument("--variants", default="default;fold_k=0;subnormal_values=0")
+    a = ap.parse_args()
+    Hq, Hkv, D = 32, 8, 128
+    print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
+    for pt in a.points.split(","):
+        B, T = map(int, pt.split("x"))
+        cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
+        for kbg in a.kbg.split(","):
+            kb, G = map(int, kbg.split(":"))
+            base = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+            for var in a.variants.split(";"):
+                tun = base if var == "default" else da.override(base, var)
+                r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10)
+                print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "
+                      f"| {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
