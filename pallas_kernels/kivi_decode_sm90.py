@@ -22,6 +22,17 @@ registers. wgmma remains for the 8-bit products (int8/fp8 mma.sync gain no K per
 fp16 mma.sync, while 8-bit wgmma doubles K) and with `mma_sync=""`; the text below says wgmma
 for both.
 
+On mma.sync the default takes no dequantization at all beyond one `and` per element pair
+(docs/performance.md runs 46-50; 2-bit G=128 at B=8 T=128k 0.286 -> 0.257 ms with W = 4): the
+code bytes are widened without exponent bits, so that a code field masked in place is the fp16
+*subnormal* code * 2^(bits*j - 24) (`_field_sub`, exact, no offset; tensor cores take fp16
+subnormals as they are). Keys (`fold_k`, `kfold_scores`): B = fp16(q * s_g) is one fp16x2
+multiply per register of q's B operand (`_scale_rhs`), q . z_g comes from one more mma.sync per
+two planes (`_rows_of`: rows 0-7 one group's minimums, rows 8-15 another's), and the scores are
+acc * 2^(24 - bits*j) + q . z_g. Values (`subnormal_values`): B = P * s_t * 2^(14 - bits*j)
+against a running max over logit + log2 s_t (`val_prep`, as fp8_values does), which weighs
+every plane's codes alike. The magic-number fields below remain for wgmma and the opt-outs.
+
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
 the code bytes of a (64, X) tile are loaded from SMEM (swizzled by the TMA) in the 8-bit WGMMA
 fragment layout and widened by one `prmt` per fp16 pair that also sets the five exponent bits
@@ -50,8 +61,8 @@ subtraction, no fma), and the field offsets and the minimums become per-row bias
 in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to f32
 rounding: keys, q . z_g - 2^(10 - bits*j) * sum_c fp16(q * s_g)_c per group and plane, added to
 the scores; values, the offsets' sum_t subtracted after every sub-step (the accumulator never
-carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * s| must stay
-below 65504 (fp16 operand). `kivi_decode_reference` computes the
+carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * log2(e) * s|
+must stay below 65504 (fp16 operand). `kivi_decode_reference` computes the
 same function in float32 in the folded form (scales into q / p, minimums as biases), so kernel
 and twin are two different factorizations of one formula.
 
@@ -76,14 +87,15 @@ int8_keys' error).
 
 Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
 block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
-(`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168) and an SM holds W
-warpgroups; the default for 2-bit caches at large B * Hkv * T (measured, `choose_tuning`).
-What bounds the loop (run 44): instruction issue, ~1160 warp instructions per 256-token step of
-which about half dequantize (the field masks, the keys' offset subtraction and fma).
+(`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168, W = 4: 128) and
+an SM holds W warpgroups; the default for 2-bit caches at large B * Hkv * T (measured,
+`choose_tuning`: W = 4 at G = 128, W = 3 at G = 32). What bounds the loop (runs 44, 47):
+instruction issue; compute alone takes the kernel's time, the load pipeline alone 0.73 of it.
 
 Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
-and scaled by sm_scale in float32 before the cast to fp16: bf16 queries work as long as
-|q * sm_scale| < 65504.
+and scaled by sm_scale * log2(e) (logits in log2 units) in float32 before the cast to fp16:
+bf16 queries work as long as |q * sm_scale * log2(e)| < 65504, and with the key scale folded
+(fold_k, the default on mma.sync) as long as |q * sm_scale * log2(e) * s_g| < 65504.
 """
 
 from __future__ import annotations
@@ -130,12 +142,17 @@ class TuningConfig:
     skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
       pipeline, "values" drops the value product, "loads" computes every step on one of the
       split's first two blocks (the copies then hit L2: the compute floor).
-    fold_k: fold the key scale into q per token group where a 256-token sub-step holds at
-      most two groups (G >= 128; opt-in, ignored otherwise): B = fp16(q * s_g) per group
-      (`fold_prep`), key code fields enter wgmma with their offset (one and per element pair),
-      and q . z_g - offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j.
-      Correct on the H200 but slower there (run 14, B=8, T=128k: 2-bit G=128 0.349 -> 0.400
-      ms, 4-bit 0.380 -> 0.426; ptxas at the 255-register cap), so off by default.
+    fold_k: fold the key scale into q per token group. With the key product on mma.sync
+      (`_folds_keys_mma`, any G; `choose_tuning` turns it on there): code fields as fp16
+      subnormals, B = fp16(q * s_g) per register, q . z_g by mma.sync (`kfold_scores`; run
+      46: 2-bit G=128 0.286 -> 0.264 ms, 4-bit 0.357 -> 0.340, G=32 even). With the key
+      product on wgmma (`_folds_keys`, G >= 128, at most two groups per 256-token sub-step;
+      opt-in, ignored otherwise): B = fp16(q * s_g) per group through SMEM (`fold_prep`), key
+      code fields enter wgmma with their offset (one and per element pair), and q . z_g -
+      offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j: correct on the H200
+      but slower there (run 14, B=8, T=128k: 2-bit G=128 0.349 -> 0.400 ms, 4-bit 0.380 ->
+      0.426; ptxas at the 255-register cap). Either way |q * sm_scale * log2(e) * s_g| must
+      stay below 65504 (an fp16 operand).
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
@@ -181,8 +198,8 @@ class TuningConfig:
     wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
       own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
       The point is the register cap: ptxas fits a block of W warpgroups in the register file
-      (W = 3: 168 registers per thread, against 235 unconstrained), so an SM holds W
-      warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
+      (W = 3: 168 registers per thread, W = 4: 128, against 235 unconstrained), so an SM
+      holds W warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
       through `plgpu.emit_pipeline`.
     mma_sync: which products run as warp-level mma.sync (`plgpu.mma`: each warp one m16n8k16
       or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma: "" (none), "keys",
@@ -195,9 +212,10 @@ class TuningConfig:
       max over logit + log2 s_t as fp8_values does (`val_prep`), weighs every plane's codes
       alike. Off: the run-40 fold_v (fields with their offsets, whose sum is subtracted every
       sub-step through a cross-warp reduction).
-    The flags' defaults are `choose_tuning`'s choices; the launch parameters (num_splits,
-    wg_per_block) are a generic starting point: `choose_tuning` sizes them per shape (at B=8,
-    Hkv=8, T=128k, 2-bit: W=3, S=6; docs/performance.md runs 40-42).
+    The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
+    key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
+    starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
+    W=4, S=8; docs/performance.md runs 40-42, 47).
     """
 
     block_tokens: int = 256
@@ -364,7 +382,9 @@ def choose_tuning(
     W=3 0.281; 2-bit G=32 W=3 0.360 -> 0.321; 4-bit 0.377 -> 0.344; docs/performance.md runs
     39-40), while 8-bit mma.sync was slower than 8-bit wgmma (int8 and fp8 mma.sync retire
     no more K per clock than fp16 mma.sync, run 38). With mma.sync, 2-bit caches take W=3
-    (where it fits the shared memory) at large B * Hkv * T, as 2-bit G=32 did before.
+    (where it fits the shared memory) at large B * Hkv * T, as 2-bit G=32 did before. fold_k
+    is set with the key product on mma.sync (the register fold, run 46), and 2-bit G=128 then
+    takes W=4 where four pipelines fit (0.263 -> 0.249 ms at B=8 T=128k, run 47).
     """
     if mma_sync is None:
         probe = TuningConfig(int8_keys=int8_keys, fp8_values=fp8_values)
