@@ -14,8 +14,8 @@ implementation:
   "pallas-lowp", "auto-lowp"
                the same with the kernel's opt-in low-precision value product where it applies
                (G = D: values on fp8 tensor cores, `TuningConfig.fp8_values`; keys stay exact):
-               ~1.06x faster at 2 bits, ~1.11x at 4 bits (H200, B=8, T=128k), at a measured
-               cost in accuracy (docs/performance.md, runs 28 and 40-42).
+               ~1.08x faster at 2 bits, ~1.10x at 4 bits (H200, B=8, T=128k), at a measured
+               cost in accuracy (docs/performance.md, runs 28, 40-42 and 47-49).
 """
 
 from __future__ import annotations

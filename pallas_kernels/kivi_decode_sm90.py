@@ -51,10 +51,10 @@ the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update.
 
-Folded scales (`fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in: measured slower,
-docs/performance.md runs 13-14): where the
-group structure leaves few distinct scale vectors per sub-step, the scale goes into the other
-operand instead of into every element: keys, B = fp16(q * s_g) per token group (at most two
+Folded scales with the magic-number fields (the wgmma products; on mma.sync the subnormal
+fields above): `fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in (measured slower,
+docs/performance.md runs 13-14). Where the group structure leaves few distinct scale vectors
+per sub-step, the scale goes into the other operand instead of into every element: keys, B = fp16(q * s_g) per token group (at most two
 per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
 as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair and plane, no
 subtraction, no fma), and the field offsets and the minimums become per-row biases, computed
