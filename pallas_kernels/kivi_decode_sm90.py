@@ -54,8 +54,8 @@ the head dim, `sub_tokens` sets the tokens per softmax update.
 Folded scales with the magic-number fields (the wgmma products; on mma.sync the subnormal
 fields above): `fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in (measured slower,
 docs/performance.md runs 13-14). Where the group structure leaves few distinct scale vectors
-per sub-step, the scale goes into the other operand instead of into every element: keys, B = fp16(q * s_g) per token group (at most two
-per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
+per sub-step, the scale goes into the other operand instead of into every element: keys,
+B = fp16(q * s_g) per token group (at most two per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
 as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair and plane, no
 subtraction, no fma), and the field offsets and the minimums become per-row biases, computed
 in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to f32
