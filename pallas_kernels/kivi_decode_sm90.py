@@ -51,20 +51,20 @@ the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update.
 
-Folded scales with the magic-number fields (the wgmma products; on mma.sync the subnormal
-fields above): `fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in (measured slower,
-docs/performance.md runs 13-14). Where the group structure leaves few distinct scale vectors
-per sub-step, the scale goes into the other operand instead of into every element: keys,
-B = fp16(q * s_g) per token group (at most two per 256-token sub-step); values, B = fp16(P * s_t) per token. A code field then enters wgmma
-as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair and plane, no
-subtraction, no fma), and the field offsets and the minimums become per-row biases, computed
-in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to f32
-rounding: keys, q . z_g - 2^(10 - bits*j) * sum_c fp16(q * s_g)_c per group and plane, added to
+Folded scales with the magic-number fields (the wgmma products; on mma.sync the subnormal fields
+above): `fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in (measured slower,
+docs/performance.md runs 13-14). Where the group structure leaves few distinct scale vectors per
+sub-step, the scale goes into the other operand instead of into every element: keys, B = fp16(q *
+s_g) per token group (at most two per 256-token sub-step); values, B = fp16(P * s_t) per token. A
+code field then enters wgmma as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair
+and plane, no subtraction, no fma), and the field offsets and the minimums become per-row biases,
+computed in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to
+f32 rounding: keys, q . z_g - 2^(10 - bits*j) * sum_c fp16(q * s_g)_c per group and plane, added to
 the scores; values, the offsets' sum_t subtracted after every sub-step (the accumulator never
-carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * log2(e) * s|
-must stay below 65504 (fp16 operand). `kivi_decode_reference` computes the
-same function in float32 in the folded form (scales into q / p, minimums as biases), so kernel
-and twin are two different factorizations of one formula.
+carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * log2(e) * s| must
+stay below 65504 (fp16 operand). `kivi_decode_reference` computes the same function in float32 in
+the folded form (scales into q / p, minimums as biases), so kernel and twin are two different
+factorizations of one formula.
 
 int8 key product (`int8_keys`, opt-in, G = D = 128; docs/performance.md runs 21-22): the
 key code field is the s8 A operand as it sits in the code bytes (`_s8_field`), B = q * s_g
