@@ -249,11 +249,16 @@ FLAG_CASES = [
      TC(256, 2, 2, fold_k=True, wg_per_block=3)),
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1,
      TC(256, 2, 2, fold_k=True, fp8_values=True, mma_sync="keys")),
+    # fold_v on mma.sync with the magic-number value fields (subnormal_values off), 2 and 4 bits
+    (2, 4, 2, 128, 512, 2, 2, 128, jnp.float16, (512, 130), 1,
+     TC(256, 2, 2, fold_k=True, subnormal_values=False)),
+    (1, 4, 2, 64, 512, 2, 4, 64, jnp.bfloat16, (450,), 0, TC(256, 2, 2, subnormal_values=False)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
             f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
+            f"-vsub{int(c[-1].subnormal_values)}"
             for c in FLAG_CASES]
 
 
