@@ -773,6 +773,19 @@ def _mma(acc, a, b, interpret):
     return plgpu.layout_cast(plgpu.mma(acc, _as_mma_lhs(a), b), _WG)
 
 
+def _fresh(r):
+    """The register r through an integer of its width and back: a new SSA value, so that MLIR
+    does not fold a per-register relabelling (vector -> registers -> vector) away."""
+    bits = ir.VectorType(r.type).get_dim_size(0) * mgpu_utils.bitwidth(
+        ir.VectorType(r.type).element_type)
+    return mgpu_utils.bitcast(mgpu_utils.bitcast(r, ir.IntegerType.get_signless(bits)), r.type)
+
+
+def _origins(xa):
+    """{logical index of the register for lane 0 of warp 0: register} of a FragmentedArray."""
+    return {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
+
+
 def _as_mma_lhs(x):
     """A (64, K) tile in the WGMMA layout (8-bit: WGMMA_8BIT) relabelled as `Layout.MMA_LHS`:
     both give a thread the same elements (warp w rows 16w.., lane (g, t) rows g and g + 8,
@@ -786,30 +799,13 @@ def _as_mma_lhs(x):
                        return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dst))
     def relabel(_, xa):
         new = dst.to_mgpu()
-        by_origin = {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
+        at = _origins(xa)
         regs = np.empty(new.registers_shape(xa.shape), dtype=object)
-        i32 = ir.IntegerType.get_signless(32)
         for i in np.ndindex(regs.shape):
-            r = by_origin[new.tiling.untile_indices(i)]
-            # through i32 and back: fresh values, else MLIR folds the register round trip
-            # (vector -> registers -> vector) back to the WGMMA-layout vector
-            regs[i] = mgpu_utils.bitcast(mgpu_utils.bitcast(r, i32), r.type)
+            regs[i] = _fresh(at[new.tiling.untile_indices(i)])
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=new, _is_signed=xa.is_signed)
 
     return relabel(x)
-
-
-def _fresh(r):
-    """The register r through an integer of its width and back: a new SSA value, so that MLIR
-    does not fold a per-register relabelling (vector -> registers -> vector) away."""
-    bits = ir.VectorType(r.type).get_dim_size(0) * mgpu_utils.bitwidth(
-        ir.VectorType(r.type).element_type)
-    return mgpu_utils.bitcast(mgpu_utils.bitcast(r, ir.IntegerType.get_signless(bits)), r.type)
-
-
-def _origins(xa):
-    """{logical index of the register for lane 0 of warp 0: register} of a FragmentedArray."""
-    return {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
 
 
 def _scale_rhs(b, s):
