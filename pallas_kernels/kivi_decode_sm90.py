@@ -23,7 +23,7 @@ fp16 mma.sync, while 8-bit wgmma doubles K) and with `mma_sync=""`; the text bel
 for both.
 
 On mma.sync the default takes no dequantization at all beyond one `and` per element pair
-(docs/performance.md runs 46-50; 2-bit G=128 at B=8 T=128k 0.286 -> 0.257 ms with W = 4): the
+(docs/performance.md runs 46-51; 2-bit G=128 at B=8 T=128k 0.286 -> 0.257 ms with W = 4): the
 code bytes are widened without exponent bits, so that a code field masked in place is the fp16
 *subnormal* code * 2^(bits*j - 24) (`_field_sub`, exact, no offset; tensor cores take fp16
 subnormals as they are). Keys (`fold_k`, `kfold_scores`): B = fp16(q * s_g) is one fp16x2
