@@ -329,6 +329,7 @@ def test_key_fold_gating():
     assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 128) == 1
     assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 32) == 1
     assert kd._key_chunks(TC(k_chunks=2, mma_sync=""), 128, 32) == 2
+    assert kd._key_chunks(TC(k_chunks=2), 128, 32) == 2
     assert kd._uses_widen8(TC(fold_k=True), False)
     ct = kd.choose_tuning
     assert ct(8, 8, 131072).fold_k and ct(8, 8, 131072, group_size=32).fold_k
