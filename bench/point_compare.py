@@ -4,12 +4,16 @@
         --variants "default;fold_k=0;subnormal_values=0"
 
 Timing as bench/decode_attention.py (Hq=32, Hkv=8, D=128). A variant is "default"
-(choose_tuning's) or comma-separated overrides of it (`decode_attention.override`).
+(choose_tuning's) or comma-separated overrides of it (`decode_attention.override`); with
+--prev FILE (an earlier kivi_decode_sm90.py, e.g. from `git show REV:pallas_kernels/...`), a
+variant "prev" or "prev:overrides" runs that module's kernel with its own choose_tuning, for an
+A/B of two versions in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -24,7 +28,13 @@ def main():
     ap.add_argument("--points", default="16x4096,4x32768", help="BxT list")
     ap.add_argument("--kbg", default="2:128", help="bits:G list")
     ap.add_argument("--variants", default="default;fold_k=0;subnormal_values=0")
+    ap.add_argument("--prev", default="", help="an earlier kernel module file (variant prev)")
     a = ap.parse_args()
+    mods = {"": kd}
+    if a.prev:
+        spec = importlib.util.spec_from_file_location("kd_prev", a.prev)
+        mods["prev"] = sys.modules["kd_prev"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods["prev"])  # (dataclasses look their module up there)
     Hq, Hkv, D = 32, 8, 128
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
     for pt in a.points.split(","):
@@ -32,10 +42,15 @@ def main():
         cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
         for kbg in a.kbg.split(","):
             kb, G = map(int, kbg.split(":"))
-            base = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
             for var in a.variants.split(";"):
-                tun = base if var == "default" else da.override(base, var)
+                which, _, flags = var.rpartition(":") if var.startswith("prev") else ("", "", var)
+                if var == "prev":
+                    which, flags = "prev", "default"
+                da.kd = mods[which]
+                base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+                tun = base if flags == "default" else da.override(base, flags)
                 r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10)
+                da.kd = kd
                 print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "
                       f"| {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |", flush=True)
 

@@ -8,7 +8,8 @@
 Sums "Instructions Executed" (warp-level) per opcode and normalizes by --steps (the number of
 256-token steps over all (b, h) of the launch, e.g. B=8, Hkv=8, T=128k: 8 * 8 * 512) and by
 the 4 warps of a warpgroup: the result is instructions per warp per 256-token step, the unit
-of docs/performance.md. Also the share of warp-stall samples per opcode.
+of docs/performance.md. Also the share of warp-stall samples per opcode and, last, the stall
+samples by reason.
 """
 
 import argparse
@@ -44,6 +45,16 @@ def main():
     for op, n in count.most_common(a.top):
         print(f"{op:10s} {n / total * 100:5.1f}%  per step per warp {per(n):7.1f}   "
               f"stall samples {samples[op] / max(samples_total, 1) * 100:5.1f}%")
+    # warp stall samples by reason (ncu's stall_* columns), all instructions together
+    reasons = collections.Counter()
+    cols = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+    for r in data:
+        for i in cols:
+            if i < len(r):
+                reasons[hdr[i]] += int(r[i] or 0)
+    n_all = max(sum(reasons.values()), 1)
+    print("stall reasons: " + ", ".join(f"{k[6:]} {v / n_all * 100:.1f}%"
+                                        for k, v in reasons.most_common(9)))
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
         ngs = min(tuning.sub_tokens, TS) // G
         fold = ngs * padded_heads * D * 2 + D * padded_heads * 4 + PLANE * D
     W = tuning.wg_per_block
-    red = _RED_SCRATCH * 4 if W > 1 else 0  # per-warpgroup reduction scratch (f32)
+    red = _RED_SCRATCH * 4  # per-warpgroup reduction scratch (f32)
     p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
     per_wg = (tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3
               + fold + red)
@@ -594,38 +594,34 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
 def _store_p_perm(p16, dst, col0: int = 0):
     """Stores P (64 tokens, N) fp16 (WGMMA layout) as columns [col0, col0 + 64) of the wgmma B
     operand dst [N, X] (tiling (8, 64), 128-byte swizzle) with the tokens in the `_PERM16`
-    order: each thread writes its elements where the widen8 code tiles expect them (one 16-bit
-    store each). Also q * s_g of the folded key product (channels for tokens)."""
+    order: each 8x8 block of the warp's registers is transposed in registers (`movmatrix`), so
+    that a thread holds two tokens of one head, which `_PERM16` keeps adjacent: one 32-bit store
+    per register (instead of two 16-bit stores and their two byte permutes). Also q * s_g of the
+    folded key product (channels for tokens)."""
     ctiles = dst.shape[-1] // PLANE  # (8, 64) tiles per 8 rows of dst
 
     @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.float16, PLANE))))
     def store(_, x, ref):
         lane, warp = _lane_warp()
-        i8 = ir.IntegerType.get_signless(8)
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         base = mgpu_utils.memref_ptr(ref)
-        k2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        g, c = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
+        # After the transpose lane (g, c) of warp w holds head 8 i + g and tokens 16 w + 8 h +
+        # 2 c + (0, 1) (row half h): _PERM16 positions 16 w + 4 h + 2 (c // 2) + 8 (c % 2) + (0,
+        # 1), in the 16-byte chunk 2 w + c % 2 of the head's 128-byte row, which the swizzle
+        # xors with the row (g).
+        chunk = arith.addi(arith.muli(warp, _i32(2)), arith.andi(c, _i32(1)))
+        row = arith.addi(arith.muli(g, _i32(128)),
+                         arith.muli(arith.xori(chunk, g), _i32(16)))
+        half = arith.muli(arith.shrui(c, _i32(1)), _i32(4))  # bytes of 2 (c // 2) fp16
         for idx in np.ndindex(x.registers.shape):
             i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
-            t = arith.addi(arith.addi(arith.muli(warp, _i32(16)), _i32(8 * h)),
-                           arith.shrui(lane, _i32(2)))  # token within the plane
-            # pos = 16 (t // 16) + _PERM16.index(t % 16) = .. + 8 (q % 4 // 2) + 2 (q // 4) + q % 2
-            q = arith.andi(t, _i32(15))
-            pos = arith.addi(arith.andi(t, _i32(48)), arith.addi(
-                arith.muli(arith.andi(arith.shrui(q, _i32(1)), _i32(1)), _i32(8)),
-                arith.addi(arith.muli(arith.shrui(q, _i32(2)), _i32(2)), arith.andi(q, _i32(1)))))
-            chunk = arith.shrui(pos, _i32(3))  # 16-byte chunk of the 128-byte row
-            within = arith.muli(arith.andi(pos, _i32(7)), _i32(2))
-            reg = x.registers[idx]
-            for e in range(2):
-                n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
-                nr = arith.andi(n, _i32(7))
-                tile = arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(ctiles)),
-                                  _i32(col0 // PLANE))
-                off = arith.addi(
-                    arith.addi(arith.muli(tile, _i32(1024)), arith.muli(nr, _i32(128))),
-                    arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
-                ptr = mgpu_utils.getelementptr(base, [off], i8)
-                llvm.store(vector.extract(reg, dynamic_position=[], static_position=[e]), ptr)
+            t = mgpu_utils.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+                                      mgpu_utils.bitcast(x.registers[idx], i32),
+                                      result_types=i32)
+            tile = i * ctiles + col0 // PLANE
+            off = arith.addi(arith.addi(row, half), _i32(tile * 1024 + 8 * h))
+            llvm.store(t, mgpu_utils.getelementptr(base, [off], i8))
 
     store(p16, dst)
 
@@ -759,6 +755,44 @@ def _wg_reduce(x, kind: str, scratch_ref):
                        return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
     def reduce(_, xa, ref):
         return xa.reduce(kind, 0, scratch=ref)
+
+    return reduce(x, scratch_ref)
+
+
+def _wg_max_open(x, scratch_ref):
+    """The row max of x (64, N) f32 (WGMMA layout) -> (N,) in the reduce(0) layout, as
+    `_wg_reduce(x, "max", ...)` but with one warpgroup barrier instead of two: each warp's
+    maxima go to `scratch_ref[warp * N + col]` (shuffles within the warp), one barrier, every
+    thread reads the four warps'. Mosaic's reduction ends with a second barrier so that the
+    scratch can be written again at once; the caller instead guarantees a warpgroup barrier
+    between these reads and the next write of `scratch_ref` (in the decode loop: the barrier
+    before P is read, `_wg_sync`). Not interpretable."""
+    N = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
+    def reduce(_, xa, ref):
+        at = _origins(xa)
+        lane, warp = _lane_warp()
+        c2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))  # columns 8i + c2 + (0, 1)
+        vty = ir.VectorType(at[(0, 0)].type)
+        idx = lambda w, i: arith.index_cast(ir.IndexType.get(), arith.addi(
+            arith.addi(arith.muli(w, _i32(N)), _i32(8 * i)), c2))
+        for i in range(N // 8):  # rows g and g + 8 of the thread, then the warp's 8 row pairs
+            r = arith.maximumf(at[(0, 8 * i)], at[(8, 8 * i)])
+            for dist in (4, 8, 16):
+                r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
+            vector.store(r, ref, [idx(warp, i)])
+        mgpu_utils.warpgroup_barrier()
+        regs = []
+        for i in range(N // 8):
+            vals = [vector.load(vty, ref, [idx(_i32(w), i)]) for w in range(4)]
+            regs.append(arith.maximumf(arith.maximumf(vals[0], vals[1]),
+                                       arith.maximumf(vals[2], vals[3])))
+        return mgpu_fa.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(
+                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((N,))),
+            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
 
     return reduce(x, scratch_ref)
 
@@ -1026,13 +1060,22 @@ def _make_kernel(
             q_s, p_s, o_s, lse_s, kd_s, vd_s, bar = (
                 own(k) for k in ("q_s", "p_s", "o_s", "lse_s", "kd_s", "vd_s", "bar"))
             ex = {k: own(k) for k in extra_names}
+            red_s = None if interpret else own("red_s")  # cross-warp reduction scratch
 
             def red(x, kind):
                 """x (64, N) reduced over its rows ("add" / "max"): per-warpgroup scratch when
                 several warpgroups share the block (`_wg_reduce`)."""
                 if W > 1 and not interpret:
-                    return _wg_reduce(x, kind, sc["red_s"].at[wg])
+                    return _wg_reduce(x, kind, red_s)
                 return x.max(axis=0) if kind == "max" else x.sum(axis=0)
+
+            def loop_max(x):
+                """The sub-step's cross-warp max: with the value product on mma.sync, one
+                barrier (`_wg_max_open`; the `_wg_sync` before P is read orders its reads
+                before the next sub-step's writes)."""
+                if mmv and not interpret and not (fv and not vsub):  # (_fold_values reduces
+                    return _wg_max_open(x, red_s)  # through red_s before that barrier)
+                return red(x, "max")
 
             layer = meta_g[0]
             n = jnp.minimum(meta_g[1 + b], Tq)
@@ -1237,10 +1280,12 @@ def _make_kernel(
                 for p in range(planes):
                     sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
                     zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
-                    s1 = jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24)
-                    u = 2.0 ** -b_shift(p) / s1
+                    l2s = jnp.log2(jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24))
+                    # u from log2 s_t (two instructions) rather than a division, which
+                    # compiles to ~8 with its range checks (SASS, docs/performance.md run 52)
+                    u = jnp.exp2(-b_shift(p) - l2s)
                     bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
-                    out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
+                    out.append((bc(l2s), bc(u), bc(zv.astype(jnp.float32) * u)))
                 return out
 
             def v_codes_sub(v, p, m, cache):
@@ -1418,17 +1463,23 @@ def _make_kernel(
                 v = views(refs, u)
                 kbias = fold_prep(v) if fold else None
                 m_run, l_t, accs, zaccs = carry
-                rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-                st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
-                                -jnp.inf)
-                      for p, x in enumerate(scores(v))]
+                st = [x if kbias is None else x + kbias[p] for p, x in enumerate(scores(v))]
+
+                def masked(xs):  # the tokens at and past n (ragged lengths, padding) drop out
+                    rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
+                    return [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
+                            for p, x in enumerate(xs)]
+
+                # Only the last sub-step of a row can hold such tokens: the others skip the
+                # compare and select per element (a branch per sub-step instead).
+                st = lax.cond(tok0 + SUB <= n, list, masked, st)
                 if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
                     pre = val_prep(v)
                     st = [x + pre[p][0] for p, x in enumerate(st)]
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
-                m_new = jnp.maximum(m_run, red(tmax, "max"))
+                m_new = jnp.maximum(m_run, loop_max(tmax))
                 alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
                 ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
@@ -1475,7 +1526,8 @@ def _make_kernel(
                         for p in range(planes):
                             _store_p(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
-                plgpu.commit_smem()
+                if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
+                    plgpu.commit_smem()  # (they need only the warpgroup barrier below)
                 vt = (v_field8 if f8v else v_codes_sub if vsub else
                       functools.partial(v_codes, raw=True) if fv else v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
@@ -1651,7 +1703,8 @@ def _make_kernel(
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
         scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
-        scratch["red_s"] = plgpu.SMEM((W, _RED_SCRATCH), jnp.float32)
+    if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
+        scratch["red_s"] = plgpu.SMEM(per_wg(_RED_SCRATCH), jnp.float32)
     scratch_names = list(scratch)
     if W > 1:
         grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), num_threads=W,

@@ -1,0 +1,1955 @@
+"""Fused KIVI 2/4-bit dequantization + decode attention, Pallas Mosaic GPU, Hopper (sm_90).
+
+One query token per row attends to the quantized part of a KIVI cache (docs/layout.md) of one
+layer. Grid: (B, Hkv, num_splits) thread blocks, one warpgroup each (flash-decoding): block
+(b, h, s) streams the s-th slice of the token axis through a TMA pipeline, unpacks the codes in
+registers and runs both products on tensor cores with the 64 cached tokens (or channels) of a
+plane on M and the padded query heads of the KV group on N:
+
+    S^T[t, n]  = Khat[t, :] . q'[n, :]            (M = 64 tokens, K = D, N = heads)
+    O^T[d, n] += Vhat^T[d, t] . P[n, t]            (M = 64 channels, K = 64 tokens, N = heads)
+
+Partial (o, lse) of the splits are merged by log-sum-exp in a small jnp epilogue.
+
+The tensor-core instruction (`TuningConfig.mma_sync`, docs/performance.md runs 38-44): by
+default both products run as warp-level mma.sync (`plgpu.mma`, m16n8k16: each warp its 16 rows
+of the 64-row tile, both operands in registers), which on the H200 retires this N = 8 tile in
+about half the SM time of wgmma with A in registers (~20 clocks per m64n8k16 whatever N, runs
+19-21): 2-bit G=128 at B=8 T=128k 0.350 -> 0.281 ms. The A tiles are built in the WGMMA
+register fragment, which holds the same elements per thread as mma.sync's (`_as_mma_lhs`
+relabels the registers); B (q, or P after a warpgroup barrier) is loaded from SMEM into
+registers. wgmma remains for the 8-bit products (int8/fp8 mma.sync gain no K per clock over
+fp16 mma.sync, while 8-bit wgmma doubles K) and with `mma_sync=""`; the text below says wgmma
+for both.
+
+On mma.sync the default takes no dequantization at all beyond one `and` per element pair
+(docs/performance.md runs 46-51; 2-bit G=128 at B=8 T=128k 0.286 -> 0.257 ms with W = 4): the
+code bytes are widened without exponent bits, so that a code field masked in place is the fp16
+*subnormal* code * 2^(bits*j - 24) (`_field_sub`, exact, no offset; tensor cores take fp16
+subnormals as they are). Keys (`fold_k`, `kfold_scores`): B = fp16(q * s_g) is one fp16x2
+multiply per register of q's B operand (`_scale_rhs`), q . z_g comes from one more mma.sync per
+two planes (`_rows_of`: rows 0-7 one group's minimums, rows 8-15 another's), and the scores are
+acc * 2^(24 - bits*j) + q . z_g. Values (`subnormal_values`): B = P * s_t * 2^(14 - bits*j)
+against a running max over logit + log2 s_t (`val_prep`, as fp8_values does), which weighs
+every plane's codes alike. The magic-number fields below remain for wgmma and the opt-outs.
+
+Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
+the code bytes of a (64, X) tile are loaded from SMEM (swizzled by the TMA) in the 8-bit WGMMA
+fragment layout and widened by one `prmt` per fp16 pair that also sets the five exponent bits
+(`_widen8`); a code field is then an fp16 value by the magic-number trick (and-ing the field's
+mask plus the exponent of 2^(10 - bits*j), whose unit in the last place is then exactly 1),
+one exact subtraction, and one multiply-add with the group's scale and minimum: three
+instructions per fp16 pair and plane (SASS, docs/performance.md runs 8-9); with the value scale
+folded into P (G = D, below) the value fields take the `and` alone. The 8-bit fragment
+delivers the columns of every 16-block in the `_PERM16` order, so both contraction axes are
+permuted consistently: q's channels outside the kernel, P's tokens by the store that makes it
+the B operand, scale vectors by their loads. G = 32 tiles hold two groups: each warp loads the
+vectors of the group its rows belong to (`_vec_load`). Both are inline Mosaic GPU and do not
+interpret: under the interpreter the kernel widens with jnp (natural order) and selects the
+group per element, the same function. Opt-in TuningConfig flags (off by default; measured on
+the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
+`reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
+the head dim, `sub_tokens` sets the tokens per softmax update.
+
+Folded scales with the magic-number fields (the wgmma products; on mma.sync the subnormal fields
+above): `fold_v` at G = D, on by default; `fold_k` at G >= 128, opt-in (measured slower,
+docs/performance.md runs 13-14). Where the group structure leaves few distinct scale vectors per
+sub-step, the scale goes into the other operand instead of into every element: keys, B = fp16(q *
+s_g) per token group (at most two per 256-token sub-step); values, B = fp16(P * s_t) per token. A
+code field then enters wgmma as the fp16 number 2^(10 - bits*j) + code (one `and` per element pair
+and plane, no subtraction, no fma), and the field offsets and the minimums become per-row biases,
+computed in f32 from the same rounded fp16 operands wgmma reads so that the offsets cancel up to
+f32 rounding: keys, q . z_g - 2^(10 - bits*j) * sum_c fp16(q * s_g)_c per group and plane, added to
+the scores; values, the offsets' sum_t subtracted after every sub-step (the accumulator never
+carries them across steps) and sum_t P * z_t added at the end. |q * sm_scale * log2(e) * s| must
+stay below 65504 (fp16 operand). `kivi_decode_reference` computes the same function in float32 in
+the folded form (scales into q / p, minimums as biases), so kernel and twin are two different
+factorizations of one formula.
+
+int8 key product (`int8_keys`, opt-in, G = D = 128; docs/performance.md runs 21-22): the
+key code field is the s8 A operand as it sits in the code bytes (`_s8_field`), B = q * s_g
+rounded to int8 per group and head in the sub-step (`_int8_prep_native`), so the key product
+takes half the wgmmas (K = 32) and no dequantization; the scores are the int32 accumulator
+times max_c |q * s_g| / 127 over the field weight, plus q . z_g. Faster (2-bit G=128 0.343 ->
+0.328 ms) but q * s_g keeps ~7 bits, worse with key outlier channels: the twin models it
+(`kivi_decode_reference(..., int8_keys=True)`).
+
+fp8 value product (`fp8_values`, opt-in, G = D; docs/performance.md runs 24-30): the value code
+field masked in place is an e4m3 subnormal (byte b <= 15 reads as b * 2^-9), so A takes one
+`and` per four codes and no offset; B = e4m3(P * s_t * 256 / w), kept <= 256 by taking the
+softmax's running max over logit + log2 s_t (logits in log2 units in this mode). Hopper's fp8
+wgmma accumulates with ~14 significant bits, so each sub-step's product goes into fresh
+accumulators, added in f32. The twin models the rounding against the kernel's own running max
+(`kivi_decode_reference(..., fp8_values=True, tuning=...)`). With the keys exact on mma.sync
+this is `kivi_decode(..., low_precision=True)` (2-bit G=128 0.260 ms, 4-bit 0.310 ms at B=8
+T=128k, run 40: faster than int8 and fp8 products both on wgmma, 0.270 / 0.325 ms, and without
+int8_keys' error).
+
+Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
+block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
+(`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168, W = 4: 128) and
+an SM holds W warpgroups; the default for 2-bit caches at large B * Hkv * T (measured,
+`choose_tuning`: W = 4 at G = 128, W = 3 at G = 32). What bounds the loop (runs 44, 47):
+instruction issue; compute alone takes the kernel's time, the load pipeline alone 0.73 of it.
+
+Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
+and scaled by sm_scale * log2(e) (logits in log2 units) in float32 before the cast to fp16:
+bf16 queries work as long as |q * sm_scale * log2(e)| < 65504, and with the key scale folded
+(fold_k, the default on mma.sync) as long as |q * sm_scale * log2(e) * s_g| < 65504.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import math as math_dialect
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PLANE = 64  # tokens per packed plane = wgmma M tile (docs/layout.md)
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_GROUPS = (32, 64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_PADDED_HEADS = 256  # wgmma N limit
+SMEM_LIMIT = 223 * 1024  # H200: 227 KiB per block, less a margin for Mosaic's own scratch
+_WG = plgpu.Layout.WGMMA
+_WGT = plgpu.Layout.WGMMA_TRANSPOSED
+_MMA_DTYPE = jnp.float16  # fp16 wgmma operands: 3 more mantissa bits than bf16 for the codes
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static launch parameters of `kivi_decode`.
+
+    block_tokens: tokens per TMA copy step (a multiple of 64 * codes-per-byte of K and V and
+      of G); steps above 256 tokens are computed in 256-token sub-steps.
+    num_splits: thread blocks per (b, h) along the token axis (flash-decoding).
+    stages: TMA steps in flight.
+    swizzle_codes: keep the code tiles swizzled in SMEM.
+    overlap: dequantize plane p+1 while plane p's wgmma runs (wait(1) instead of wait(0)).
+    p_direct: store P^T in the accumulator layout (N padded to 16 for the 32-byte swizzle)
+      instead of transposing it through shuffles (N padded to 8).
+    p_concat: transpose the P tiles of all planes of a sub-step in one store.
+    skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
+      pipeline, "values" drops the value product, "loads" computes every step on one of the
+      split's first two blocks (the copies then hit L2: the compute floor).
+    fold_k: fold the key scale into q per token group. With the key product on mma.sync
+      (`_folds_keys_mma`, any G; `choose_tuning` turns it on there): code fields as fp16
+      subnormals, B = fp16(q * s_g) per register, q . z_g by mma.sync (`kfold_scores`; run
+      46: 2-bit G=128 0.286 -> 0.264 ms, 4-bit 0.357 -> 0.340, G=32 even). With the key
+      product on wgmma (`_folds_keys`, G >= 128, at most two groups per 256-token sub-step;
+      opt-in, ignored otherwise): B = fp16(q * s_g) per group through SMEM (`fold_prep`), key
+      code fields enter wgmma with their offset (one and per element pair), and q . z_g -
+      offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j: correct on the H200
+      but slower there (run 14, B=8, T=128k: 2-bit G=128 0.349 -> 0.400 ms, 4-bit 0.380 ->
+      0.426; ptxas at the 255-register cap). Either way |q * sm_scale * log2(e) * s_g| must
+      stay below 65504 (an fp16 operand).
+    reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
+      keeping it in registers across the 8/bits planes it holds (fewer live registers, more
+      SMEM loads).
+    fold_v: fold the value scale into P per token where a token has one channel group (G = D;
+      on by default, ignored otherwise): a value code field enters wgmma as the fp16
+      number 2^(10 - bits*j) + code (one and per element pair, no subtraction, no fma), B is
+      P * s_t (`_fold_values`); the offsets' sum 2^(10 - bits*j) * sum_t P * s_t is
+      subtracted from the accumulator after every sub-step (so it never grows across steps)
+      and the minimums' sum_t P * z_t is accumulated elementwise in f32 and added at the end.
+      Costs precision: at 2 bits the output error against the f32 twin grows from ~4e-5 to
+      ~6e-4 of max |o| (independent of the context length; docs/performance.md run 16).
+    lean_values: in the value product wait after each 64-channel tile's wgmma until at most one
+      is in flight (at most two dequantized V tiles live instead of 2 * D/64).
+    k_chunks: split the key product over 1 or 2 chunks of D (K = D / k_chunks per wgmma; D = 64
+      and a folded key product: always 1): a chunk's code bytes, scale and minimum vectors and
+      dequantized tiles are live at a time instead of the whole head dim's (fewer registers,
+      twice the wgmmas).
+    sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
+      update (cross-warp max, P through SMEM) per sub-step.
+    warp_groups: G = 32 (two groups per 64-row tile): each warp loads the scale and minimum
+      vectors of its own group (`_vec_load`) instead of both groups' vectors and a
+      select per element. On by default; the interpreter always takes the selects.
+    widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
+      pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
+      matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
+      SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
+    int8_keys: the key product on int8 tensor cores (wgmma K = 32: half the key wgmmas of fp16)
+      at G = D = 128, opt-in: A = the key code fields as s8 straight from the code bytes (one
+      and per four elements, no widening), B = q * s_g rounded to int8 per group and head
+      (scale max_c |q * s_g| / 127, `int8_prep`), scores = int32 accumulator * scale / field
+      weight + q . z_g. Costs precision: q * s_g carries ~7 bits (see docs/performance.md; the
+      twin models it with `int8_keys=True`). Replaces fold_k where both are set.
+    fp8_values: the value product on fp8 tensor cores (wgmma K = 32: half the value wgmmas) at
+      G = D, opt-in: A = the value code field as an e4m3 *subnormal* straight from the code
+      bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
+      code * weight * 2^-9: one and per four elements, one shift per word for the upper
+      nibble, no offset), B = e4m3(P * s_t * 2^8 / weight). P * s_t stays <= 1 because the
+      softmax's running max is taken over logit + log2 s_t (logits in log2 units; `val_prep`:
+      P = B * weight / (256 s_t) for the sum and the minimums' term, one fma each). Each
+      sub-step's product gets fresh accumulators (Hopper's fp8 accumulation keeps ~14 bits).
+      Costs precision: B carries 4 significant bits (see docs/performance.md; the twin models
+      it with `fp8_values=True`). Replaces fold_v.
+    wg_per_block: warpgroups per thread block, each streaming its own (b, h, split) with its
+      own TMA pipeline (`_pipeline`), SMEM and cross-warp reduction scratch (`_wg_reduce`).
+      The point is the register cap: ptxas fits a block of W warpgroups in the register file
+      (W = 3: 168 registers per thread, W = 4: 128, against 235 unconstrained), so an SM
+      holds W warpgroups instead of the two that 235 registers allow. 1: one warpgroup per block
+      through `plgpu.emit_pipeline`.
+    mma_sync: which products run as warp-level mma.sync (`plgpu.mma`: each warp one m16n8k16
+      or m16n8k32 per 16 rows of the 64-row tile) instead of wgmma: "" (none), "keys",
+      "values" or "both". Both operands in registers: the B operand (q, q * s_g, P) is loaded
+      from SMEM into registers (q once per split); P's hand-over between warps is a
+      warpgroup barrier.
+    subnormal_values: with fold_v and the value product on mma.sync, the value code fields
+      enter as fp16 subnormals (`_field_sub`: code * 2^(bits j - 24), one and per element pair
+      and no offset to subtract) and B = P * s_t * 2^(14 - bits j), taken against a running
+      max over logit + log2 s_t as fp8_values does (`val_prep`), weighs every plane's codes
+      alike. Off: the run-40 fold_v (fields with their offsets, whose sum is subtracted every
+      sub-step through a cross-warp reduction).
+    The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
+    key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
+    starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
+    W=4, S=8; docs/performance.md runs 40-42, 47).
+    """
+
+    block_tokens: int = 256
+    num_splits: int = 8
+    stages: int = 2
+    swizzle_codes: bool = False
+    overlap: bool = True
+    p_direct: bool = False
+    p_concat: bool = False
+    skip: str = ""
+    fold_k: bool = False
+    reload_codes: bool = False
+    lean_values: bool = False
+    fold_v: bool = True
+    k_chunks: int = 1
+    sub_tokens: int = 256
+    warp_groups: bool = True
+    widen8: bool = True
+    wg_per_block: int = 1
+    int8_keys: bool = False
+    fp8_values: bool = False
+    mma_sync: str = "both"
+    subnormal_values: bool = True
+
+    def __post_init__(self):
+        if self.k_chunks not in (1, 2):
+            raise ValueError(f"k_chunks must be 1 or 2, got {self.k_chunks}")
+        if self.sub_tokens not in (256, 512):
+            raise ValueError(f"sub_tokens must be 256 or 512, got {self.sub_tokens}")
+        if self.block_tokens <= 0 or self.block_tokens % 128:
+            raise ValueError(
+                f"block_tokens must be a positive multiple of 128, got {self.block_tokens}")
+        if self.block_tokens > 1024:
+            raise ValueError(f"block_tokens must be <= 1024, got {self.block_tokens}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"stages must be in [1, 8], got {self.stages}")
+        if not 1 <= self.wg_per_block <= 4:
+            raise ValueError(f"wg_per_block must be in [1, 4], got {self.wg_per_block}")
+        if self.mma_sync not in ("", "keys", "values", "both"):
+            raise ValueError(
+                f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
+        if self.skip not in ("", "compute", "values", "loads"):
+            raise ValueError(
+                f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
+
+
+def _uses_widen8(tuning: TuningConfig, interpret) -> bool:
+    """Whether the kernel takes the widen8 path (`_widen8`): native only, not with the folded
+    or alternative P layouts (their operands are in the natural order) nor with key chunks (a
+    chunk would split the swizzled code rows). Both value-code layouts hold a plane's codes as
+    64-byte rows, so the experimental one takes it too."""
+    natural_order = tuning.p_direct or tuning.p_concat
+    return bool(tuning.widen8 and not interpret and tuning.k_chunks == 1
+                and not natural_order)
+
+
+def _folds_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
+    """Whether the value scale is folded into P (`TuningConfig.fold_v`): one channel group per
+    token (G = D) and P stored in the default transposed layout. With two channel groups
+    (D = 128, G = 64) the second set of P * s_t tiles and sums put the kernel at 255 registers
+    and made it slower (H200, docs/performance.md run 13: 0.383 -> 0.421 ms)."""
+    return bool(tuning.fold_v and group_size == head_dim and not tuning.p_direct
+                and not tuning.p_concat)
+
+
+def _int8_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key product runs on int8 tensor cores (`TuningConfig.int8_keys`): one group
+    per two planes at most (G = 128) and 128-byte rows of the int8 q * s_g operand (D = 128)."""
+    return bool(tuning.int8_keys and group_size >= 128 and head_dim == 128)
+
+
+def _fp8_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
+    """Whether the value product runs on fp8 tensor cores (`TuningConfig.fp8_values`): one
+    channel group per token (G = D, the value scale then folds into B per token) and P stored
+    through the natural-order transposed store (not p_direct / p_concat)."""
+    return bool(tuning.fp8_values and group_size == head_dim and not tuning.p_direct
+                and not tuning.p_concat)
+
+
+def _folds_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key scale is folded into q through SMEM for a wgmma key product
+    (`TuningConfig.fold_k` with the keys not on mma.sync): a 64-token plane in one group and at
+    most two groups per 256-token sub-step (the per-group work, an [N, D] operand and two sums
+    over D, is then small against the dequantization it saves); not with int8_keys, which
+    folds it its own way."""
+    return bool(tuning.fold_k and group_size >= 128 and not _mma_keys(tuning)
+                and not _int8_keys(tuning, group_size, head_dim))
+
+
+def _mma_keys(tuning: TuningConfig) -> bool:
+    return tuning.mma_sync in ("keys", "both")
+
+
+def _folds_keys_mma(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+    """Whether the key scale is folded into mma.sync's B operand in registers
+    (`TuningConfig.fold_k` with the keys on mma.sync, any G): code fields as fp16 subnormals
+    (`_field_sub`), B = fp16(q * s_g) per register (`_scale_rhs`), q . z_g from one mma.sync
+    per two planes (`_rows_of`); not with int8_keys."""
+    return bool(tuning.fold_k and _mma_keys(tuning)
+                and not _int8_keys(tuning, group_size, head_dim))
+
+
+def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
+    """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
+    64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
+    if (_folds_keys(tuning, group_size, head_dim) or _folds_keys_mma(tuning, group_size, head_dim)
+            or _int8_keys(tuning, group_size, head_dim) or head_dim % (PLANE * tuning.k_chunks)):
+        return 1
+    return tuning.k_chunks
+
+
+def _min_block(key_bits: int, value_bits: int) -> int:
+    return PLANE * max(8 // key_bits, 8 // value_bits)
+
+
+def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_size: int,
+               head_dim: int = 128, padded_heads: int = 16) -> int:
+    """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
+    TS, D, G = tuning.block_tokens, head_dim, group_size
+    step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
+    fold = 0
+    if _folds_keys(tuning, G, D) or _int8_keys(tuning, G, D):  # q * s_g per group, q^T in f32
+        ngs = min(tuning.sub_tokens, TS) // G
+        fold = ngs * padded_heads * D * 2 + D * padded_heads * 4 + PLANE * D
+    W = tuning.wg_per_block
+    red = _RED_SCRATCH * 4 if W > 1 else 0  # per-warpgroup reduction scratch (f32)
+    p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
+    per_wg = (tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3
+              + fold + red)
+    return W * per_wg + 4096
+
+
+def choose_tuning(
+    batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
+    group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
+    block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
+    int8_keys: bool = False, fp8_values: bool = False, mma_sync: str | None = None,
+) -> TuningConfig:
+    """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
+
+    Steps of 256 tokens, 2 stages. Splits: the grid is B * Hkv * S blocks run in waves of
+    num_sms * (blocks per SM); S minimizes waves * (steps per split + 2), the 2 standing for a
+    block's fixed cost (prologue, epilogue) in steps; near-ties go to more splits. Measured on
+    the H200, B=8, Hkv=8, T=128k, 2-bit G=128 (docs/performance.md, run-to-run spread ~10%):
+    S=4/6/8/12/16 gave 0.73/0.72/0.66-0.68/0.68/0.70 ms (v2); 512-token copies were slower
+    than 256 (v2 0.80 vs 0.72 ms, v3 0.66 vs 0.555 ms); 4-bit: 256-token steps 0.755 ms vs
+    128-token 0.83 ms. Rechecked with the run-9 kernel (docs/performance.md run 11): 3 stages,
+    512-token copies and S=6/12 no faster at 2/4-bit G=128 and 2-bit G=32.
+    `block_tokens`/`stages`/`wg_per_block` override the defaults; with W warpgroups per block
+    an SM runs one block (the register file holds W warpgroups at ptxas's cap), so W splits
+    are in flight per SM. Warpgroups per block (docs/performance.md run 20, Hq=32 grid, W=1
+    against W=3 in one process): 2-bit G=32 with B * Hkv * T >= 2^22 takes W=3 (+5-7%: B=8
+    T=128k 0.389 -> 0.361 ms, B=32 T=32k/128k); below that W=3 loses (up to -15% at B=8
+    T=8k), and at G=128 (2/4-bit) it is even or slower, so those keep W=1.
+    `int8_keys` / `fp8_values` set those opt-in flags (where they apply). With both, the kernel
+    needs 149-167 registers (runs 25-26), so three blocks of 128 threads fit an SM's register
+    file where the shared memory allows (2-bit G=128: S=6-18 within 2% at B=8 T=128k, run 26;
+    4-bit: two blocks by shared memory, S=8 best).
+    `mma_sync` (None: chosen here): each product runs on warp-level mma.sync unless it takes
+    an 8-bit wgmma (int8_keys, fp8_values where they apply): on the H200 mma.sync did the
+    fp16 products of both at B=8 T=128k faster than wgmma (2-bit G=128 0.350 -> 0.310 ms,
+    W=3 0.281; 2-bit G=32 W=3 0.360 -> 0.321; 4-bit 0.377 -> 0.344; docs/performance.md runs
+    39-40), while 8-bit mma.sync was slower than 8-bit wgmma (int8 and fp8 mma.sync retire
+    no more K per clock than fp16 mma.sync, run 38). With mma.sync, 2-bit caches take W=3
+    (where it fits the shared memory) at large B * Hkv * T, as 2-bit G=32 did before. fold_k
+    is set with the key product on mma.sync (the register fold, run 46), and 2-bit G=128 then
+    takes W=4 where four pipelines fit (0.263 -> 0.249 ms at B=8 T=128k, run 47).
+    """
+    if mma_sync is None:
+        probe = TuningConfig(int8_keys=int8_keys, fp8_values=fp8_values)
+        keys = not _int8_keys(probe, group_size, head_dim)
+        values = not _fp8_values(probe, group_size, head_dim)
+        mma_sync = {(True, True): "both", (True, False): "keys", (False, True): "values",
+                    (False, False): ""}[keys, values]
+    blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
+    while max_tokens % blk and blk > 256:
+        blk //= 2
+    if max_tokens % blk:
+        raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages, int8_keys=int8_keys,
+                        fp8_values=fp8_values, mma_sync=mma_sync)
+    # the key scale folded into mma.sync's B in registers (run 46: 2-bit G=128 0.286 -> 0.264
+    # ms, 4-bit 0.357 -> 0.340, G=32 even; the same error, run 47)
+    base = dataclasses.replace(base, fold_k=_mma_keys(base) and not _int8_keys(
+        base, group_size, head_dim))
+    size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
+                             group_size=group_size, head_dim=head_dim, padded_heads=8)
+    if wg_per_block is None:
+        big = batch * kv_heads * max_tokens >= 1 << 22
+        many = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
+        # W = 4 (2-bit G=128 with fold_k: 0.263 -> 0.249 ms, run 47) where four pipelines fit
+        # at this block size, else three (2-bit G=32: four do not fit), else one (4-bit: run 40)
+        fits = [w for w in ((4, 3) if base.fold_k and group_size == 128 else (3,))
+                if size(dataclasses.replace(base, wg_per_block=w)) <= SMEM_LIMIT]
+        wg_per_block = fits[0] if many and fits else 1
+    base = dataclasses.replace(base, wg_per_block=wg_per_block)
+    floor = max(_min_block(key_bits, value_bits), group_size, 128)
+    while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
+        base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
+    steps = max_tokens // base.block_tokens
+    smem = size(base)
+    if wg_per_block > 1:  # one block per SM, W splits in it
+        slots = num_sms * wg_per_block
+    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM,
+        # 149-167 with both low-precision products (runs 25-26) 3
+        lean = _int8_keys(base, group_size, head_dim) and _fp8_values(base, group_size, head_dim)
+        slots = num_sms * max(1, min(3 if lean else 2, (227 * 1024) // smem))
+    bh = batch * kv_heads
+    costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
+    best = min(costs.values())
+    # Among near-ties prefer more splits: more blocks hide the tail of the last wave better.
+    S = max(S for S, c in costs.items() if c <= 1.02 * best)
+    return dataclasses.replace(base, num_splits=S)
+
+
+def _swz(dtype, minor_elems):
+    bits = jnp.dtype(dtype).itemsize * 8
+    sw = plgpu.find_swizzle(minor_elems * bits, "kivi")
+    return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
+
+
+_EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
+# vsub (fold_v on mma.sync): B = P * s_t * 2^(_VSUB_C - bits j) relative to the running max of
+# P * s_t stays <= 2^14 (fp16 range) and normal down to 2^-22 (2-bit) / 2^-24 (4-bit) of it.
+_VSUB_C = 14
+_RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
+
+
+def _widen_codes(x8):
+    """Code bytes (uint8) -> uint16 with all five exponent bits set, ready for `_field_to_f16`.
+
+    One or per byte here instead of one per code field there: the field's exponent is then
+    selected by the and-mask alone (measured: ptxas does not fuse and + or with two constants
+    into one LOP3, so this removes an instruction per element pair and plane).
+    """
+    return x8.astype(jnp.uint16) | jnp.uint16(_EXP_BITS)
+
+
+def _field_offset(bits: int, j: int) -> float:
+    """The fp16 offset 2^(10 - bits*j) of code field j under the magic-number trick."""
+    return float(2 ** (10 - bits * j))
+
+
+def _field_raw(y16, bits: int, j: int):
+    """Code field j of bytes widened by `_widen_codes` as the fp16 number
+    `_field_offset(bits, j) + code` (exact): one and, the offset left to the caller.
+
+    Keeping the field (bits [bits*j, bits*(j+1))) and the exponent bits of 2^(10 - bits*j)
+    makes the field's lowest bit weigh exactly 1.
+    """
+    mask = ((1 << bits) - 1) << (bits * j)
+    magic = (25 - bits * j) << 10  # fp16 bit pattern of the offset (a subset of _EXP_BITS)
+    return lax.bitcast_convert_type(y16 & jnp.uint16(mask | magic), jnp.float16)
+
+
+def _field_to_f16(y16, bits: int, j: int):
+    """Code field j of bytes widened by `_widen_codes` as exact fp16 integers: `_field_raw`
+    less its offset (an exact subtraction)."""
+    return _field_raw(y16, bits, j) - jnp.float16(_field_offset(bits, j))
+
+
+def _field_sub(y16, bits: int, j: int):
+    """Code field j of code bytes widened *without* exponent bits (`_widen8(...,
+    exponent=False)`, or a plain u8 -> u16) masked in place: the fp16 bit pattern code *
+    2^(bits*j) read as the subnormal number code * 2^(bits*j - 24), exact and without an
+    offset (tensor cores take fp16 subnormals as they are). One and per element pair."""
+    mask = ((1 << bits) - 1) << (bits * j)
+    return lax.bitcast_convert_type(y16 & jnp.uint16(mask), jnp.float16)
+
+
+def _field_sub_weight(bits: int, j: int) -> float:
+    """What a product over `_field_sub(..., bits, j)` operands is multiplied by to weigh the
+    codes 1: 2^(24 - bits*j)."""
+    return float(2 ** (24 - bits * j))
+
+
+# Permuted contraction order of the widen8 path: within each 16-wide block, position p of the
+# fp16 operand holds element _PERM16[p]. It is the order in which the 8-bit WGMMA fragment (four
+# consecutive bytes per register) lands in the 16-bit fragment (two consecutive elements per
+# register, at columns 2k and 8 + 2k) when each byte register is split by two byte permutes.
+_PERM16 = tuple(4 * (p % 8 // 2) + 2 * (p // 8) + p % 2 for p in range(16))
+
+
+def permute_contraction(x, axis=-1):
+    """x with its `axis` (a multiple of 16) reordered into the widen8 contraction order."""
+    n = x.shape[axis]
+    idx = np.array([16 * (i // 16) + _PERM16[i % 16] for i in range(n)])
+    return jnp.take(x, idx, axis=axis)
+
+
+def _i32(v):
+    return mgpu_utils.c(v, ir.IntegerType.get_signless(32))
+
+
+def _lane_warp():
+    """(lane, warp within the warpgroup) as i32 values."""
+    tid = mgpu_utils.thread_idx()
+    return arith.andi(tid, _i32(31)), arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
+
+
+def _widen8(codes_ref, transforms, exponent: bool = True):
+    """(64, X) uint8 code tile in SMEM -> (64, X) uint16 in the WGMMA layout, every byte widened
+    with the exponent bits set (as `_widen_codes`; exponent=False: zero high bytes, for
+    `_field_sub`), columns in the `_PERM16` order.
+
+    The bytes are loaded in the 8-bit WGMMA layout (four consecutive bytes of a row per
+    register); one `prmt` per output register interleaves two of them with the exponent byte.
+    Mosaic's own u8 -> u16 relayout into the natural order costs about three byte permutes and
+    an or per output register (SASS, docs/performance.md run 8). `transforms`: the tile's SMEM
+    tiling and swizzle (unswizzled 64- or 128-byte rows put the eight rows of an 8x16-byte
+    fragment into the same banks: measured 6x the ideal shared-memory wavefronts). Not
+    interpretable.
+    """
+    swizzle = transforms[1].swizzle
+    X = codes_ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), jnp.uint16, layout=_WG))
+    def widen(_, ref):
+        x = mgpu_fa.FragmentedArray.load_tiled(ref, swizzle, layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
+                                               is_signed=False, optimized=False)
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
+        high = 0x7C7C7C7C if exponent else 0
+        regs = x.registers
+        out = np.empty((1, X // 8, *regs.shape[2:]), dtype=object)
+        for idx in np.ndindex(regs.shape):
+            w = mgpu_utils.bitcast(regs[idx], i32)
+            for half, sel in ((0, 0x4140), (1, 0x4342)):  # bytes (0, 1) / (2, 3) of w
+                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(high),
+                                          _i32(sel), result_types=i32)
+                out[(idx[0], 2 * idx[1] + half, *idx[2:])] = mgpu_utils.bitcast(r, pair_ty)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=mgpu_fa.WGMMA_LAYOUT,
+                                       _is_signed=False)
+
+    return widen(codes_ref)
+
+
+def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
+    """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
+
+    rows_ref: (X,) or, with G, the (64 // G, X) vectors of the tile's groups: warp w then loads
+    the row of the group its 16 tile rows lie in ((16 w) // G), so the warps hold different
+    vectors (valid only under a row broadcast and elementwise use: `_group_vecs`). perm: in the
+    `_PERM16` order of the widen8 path. Not interpretable (inline Mosaic GPU).
+    """
+    X = rows_ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((X,), rows_ref.dtype,
+                                                          layout=_WG.reduce(0)))
+    def load(_, ref):
+        lane, warp = _lane_warp()
+        if G:
+            g = arith.divui(arith.muli(warp, _i32(16)), _i32(G))
+            ref = mgpu_utils.memref_slice(ref, arith.index_cast(ir.IndexType.get(), g))
+        if not perm:
+            return mgpu_fa.FragmentedArray.load_untiled(ref, layout=mgpu_fa.WGMMA_COL_LAYOUT,
+                                                        optimized=False)
+        k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
+        regs = []
+        for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
+            col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
+            regs.append(vector.load(pair_ty, ref, [arith.index_cast(ir.IndexType.get(), col)]))
+        return mgpu_fa.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(
+                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
+            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+
+    return load(rows_ref)
+
+
+def _store_p_perm(p16, dst, col0: int = 0):
+    """Stores P (64 tokens, N) fp16 (WGMMA layout) as columns [col0, col0 + 64) of the wgmma B
+    operand dst [N, X] (tiling (8, 64), 128-byte swizzle) with the tokens in the `_PERM16`
+    order: each thread writes its elements where the widen8 code tiles expect them (one 16-bit
+    store each). Also q * s_g of the folded key product (channels for tokens)."""
+    ctiles = dst.shape[-1] // PLANE  # (8, 64) tiles per 8 rows of dst
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.float16, PLANE))))
+    def store(_, x, ref):
+        lane, warp = _lane_warp()
+        i8 = ir.IntegerType.get_signless(8)
+        base = mgpu_utils.memref_ptr(ref)
+        k2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        for idx in np.ndindex(x.registers.shape):
+            i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
+            t = arith.addi(arith.addi(arith.muli(warp, _i32(16)), _i32(8 * h)),
+                           arith.shrui(lane, _i32(2)))  # token within the plane
+            # pos = 16 (t // 16) + _PERM16.index(t % 16) = .. + 8 (q % 4 // 2) + 2 (q // 4) + q % 2
+            q = arith.andi(t, _i32(15))
+            pos = arith.addi(arith.andi(t, _i32(48)), arith.addi(
+                arith.muli(arith.andi(arith.shrui(q, _i32(1)), _i32(1)), _i32(8)),
+                arith.addi(arith.muli(arith.shrui(q, _i32(2)), _i32(2)), arith.andi(q, _i32(1)))))
+            chunk = arith.shrui(pos, _i32(3))  # 16-byte chunk of the 128-byte row
+            within = arith.muli(arith.andi(pos, _i32(7)), _i32(2))
+            reg = x.registers[idx]
+            for e in range(2):
+                n = arith.addi(k2, _i32(8 * i + e))  # head: row of dst
+                nr = arith.andi(n, _i32(7))
+                tile = arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(ctiles)),
+                                  _i32(col0 // PLANE))
+                off = arith.addi(
+                    arith.addi(arith.muli(tile, _i32(1024)), arith.muli(nr, _i32(128))),
+                    arith.addi(arith.muli(arith.xori(chunk, nr), _i32(16)), within))
+                ptr = mgpu_utils.getelementptr(base, [off], i8)
+                llvm.store(vector.extract(reg, dynamic_position=[], static_position=[e]), ptr)
+
+    store(p16, dst)
+
+
+def _s8_field_spec(bits: int, j: int):
+    """(shift, mask, weight) of code field j as an s8 number: (byte >> shift) & mask is
+    code * weight. Fields reaching the sign bit are shifted down by one first."""
+    lo = bits * j
+    if lo + bits <= 7:
+        return 0, ((1 << bits) - 1) << lo, 1 << lo
+    return 1, ((1 << bits) - 1) << (lo - 1), 1 << (lo - 1)
+
+
+def _f8_field_spec(bits: int, j: int):
+    """(shift, mask, weight) of value code field j as an e4m3 subnormal: (byte >> shift) & mask
+    is a byte b <= 15, which e4m3 reads as b * 2^-9 = code * weight * 2^-9 (the subnormals and
+    the first binade share the spacing 2^-9, so bytes 0..15 are exactly linear). Fields of the
+    upper nibble are shifted down by four first."""
+    lo = bits * j
+    shift = lo - lo % 4
+    return shift, ((1 << bits) - 1) << (lo - shift), 1 << (lo - shift)
+
+
+def _code_field8(x8, spec, dtype):
+    """Code field (shift, mask, _) = spec of a (64, X) uint8 tile in the 8-bit WGMMA layout as
+    the 8-bit A operand of `dtype` (int8: `_s8_field_spec`, float8_e4m3fn: `_f8_field_spec`):
+    one and (plus one shift for a shifted field) per register of four bytes. Not interpretable
+    (inline Mosaic GPU)."""
+    shift, mask, _ = spec
+    W8 = plgpu.Layout.WGMMA_8BIT
+    signed = True if jnp.dtype(dtype) == jnp.int8 else None
+
+    @plgpu.inline_mgpu(arg_types=(W8,),
+                       return_type=plgpu.ShapeDtypeStruct(x8.shape, dtype, layout=W8))
+    def field(_, xa):
+        i32 = ir.IntegerType.get_signless(32)
+        elt = ir.IntegerType.get_signless(8) if signed else ir.Float8E4M3FNType.get()
+        out = np.empty(xa.registers.shape, dtype=object)
+        for idx in np.ndindex(xa.registers.shape):
+            reg = xa.registers[idx]
+            w = mgpu_utils.bitcast(reg, i32)
+            if shift:
+                w = arith.shrui(w, _i32(shift))
+            w = arith.andi(w, _i32(mask * 0x01010101))
+            out[idx] = mgpu_utils.bitcast(w, ir.VectorType.get(ir.VectorType(reg.type).shape,
+                                                               elt))
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=signed)
+
+    return field(x8)
+
+
+def _code_field8_reference(x8, spec, dtype):
+    """`_code_field8` in jnp (the interpreter's path): x8 (64, X) uint8."""
+    shift, mask, _ = spec
+    f = ((x8.astype(jnp.int32) >> shift) & mask).astype(jnp.uint8)
+    return f.astype(jnp.int8) if jnp.dtype(dtype) == jnp.int8 else lax.bitcast_convert_type(
+        f, dtype)
+
+
+def _int8_prep_native(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref):
+    """int8_keys, one key group, no barrier: q * s_g rounded to int8 into the wgmma B operand
+    bq8_ref [N, 128] (tiling (8, 128), 128-byte swizzle), and per head sigma = max_c |q * s_g|
+    / 127 and q . z_g into stats_ref [2, N] (f32). q32_ref: [N, 128] f32 (sm_scale applied);
+    ks_ref / kz_ref: the group's (128,) fp16 scale and minimum. Thread t of the warpgroup owns
+    head t // 16 (+ 8 per further pass), channels 8 (t % 16) .. + 8: the max and the sum over a
+    head's channels are 16-lane shuffles, the eight codes one 8-byte store. Rounds half to
+    even (cvt.rni). Visible to wgmma after the caller's commit_smem. Not interpretable."""
+    N, D = q32_ref.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(transforms=_swz(jnp.int8, D)), plgpu.RefType()))
+    def prep(_, q_ref, s_ref, z_ref, b_ref, st_ref):
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        v8f32 = ir.VectorType.get((8,), f32)
+        v8f16 = ir.VectorType.get((8,), ir.F16Type.get())
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        base = mgpu_utils.memref_ptr(b_ref)
+        for k in range(N * D // 8 // 128):
+            cid = arith.addi(tid, _i32(128 * k))
+            n, c0 = arith.shrui(cid, _i32(4)), arith.muli(arith.andi(cid, _i32(15)), _i32(8))
+            q = vector.load(v8f32, q_ref, [idx(n), idx(c0)])
+            sv = arith.extf(v8f32, vector.load(v8f16, s_ref, [idx(c0)]))
+            zv = arith.extf(v8f32, vector.load(v8f16, z_ref, [idx(c0)]))
+            x = arith.mulf(q, sv)
+            am = vector.reduction(f32, vector.CombiningKind.MAXNUMF, math_dialect.absf(x))
+            bias = vector.reduction(f32, vector.CombiningKind.ADD, arith.mulf(q, zv))
+            for dist in (1, 2, 4, 8):  # the 16 lanes of a head
+                am = arith.maxnumf(am, mgpu_utils.shfl_bfly(am, dist))
+                bias = arith.addf(bias, mgpu_utils.shfl_bfly(bias, dist))
+            safe = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, am, mgpu_utils.c(0.0, f32)),
+                                am, mgpu_utils.c(1.0, f32))
+            inv = arith.divf(mgpu_utils.c(127.0, f32), safe)
+            words = []
+            for w in range(2):  # four channels per 32-bit word, little-endian
+                ints = []
+                for e in range(4):
+                    xe = vector.extract(x, dynamic_position=[], static_position=[4 * w + e])
+                    ints.append(mgpu_utils.inline_ptx(
+                        "cvt.rni.s32.f32 $0, $1;", arith.mulf(xe, inv), result_types=i32))
+                # cvt.pack d, a, b, c: d = (c[15:0] << 16) | (a << 8) | b, saturated bytes
+                hi = mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, 0;",
+                                           ints[3], ints[2], result_types=i32)
+                words.append(mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, $3;",
+                                                   ints[1], ints[0], hi, result_types=i32))
+            nr = arith.andi(n, _i32(7))
+            off = arith.addi(
+                arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
+                           arith.muli(nr, _i32(128))),
+                arith.addi(arith.muli(arith.xori(arith.shrui(c0, _i32(4)), nr), _i32(16)),
+                           arith.andi(c0, _i32(8))))
+            pair = vector.from_elements(ir.VectorType.get((2,), i32), words)
+            llvm.store(pair, mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8)))
+            first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(cid, _i32(15)), _i32(0))
+            with mgpu_utils.when(first):
+                memref.store(arith.mulf(am, mgpu_utils.c(1.0 / 127.0, f32)), st_ref,
+                             [idx(_i32(0)), idx(n)])
+                memref.store(bias, st_ref, [idx(_i32(1)), idx(n)])
+
+    prep(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref)
+
+
+def _wg_reduce(x, kind: str, scratch_ref):
+    """x (64, N) f32 in the WGMMA layout reduced over its rows ("add" or "max") -> (N,) in the
+    reduce(0) layout, the cross-warp step going through `scratch_ref`, this warpgroup's own
+    f32 SMEM scratch. (Mosaic's reductions use one scratch region per block: two warpgroups
+    of a block reducing at once would race on it.) Not interpretable (inline Mosaic GPU)."""
+    N = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
+    def reduce(_, xa, ref):
+        return xa.reduce(kind, 0, scratch=ref)
+
+    return reduce(x, scratch_ref)
+
+
+def _mma(acc, a, b, interpret):
+    """acc + a @ b on warp-level mma.sync (`plgpu.mma`): acc (64, N) f32/int32 and a (64, K)
+    in the WGMMA layouts (the same registers per thread as mma.sync's fragments: the casts are
+    relabellings), b (K, N) in `Layout.MMA_RHS`. Returns (64, N) in the WGMMA layout."""
+    if interpret:  # the interpreter has no mma: the same product in jnp
+        return acc + jnp.dot(a, b, preferred_element_type=acc.dtype)
+    acc = plgpu.layout_cast(acc, plgpu.Layout.MMA_ACC(acc.dtype))
+    return plgpu.layout_cast(plgpu.mma(acc, _as_mma_lhs(a), b), _WG)
+
+
+def _fresh(r):
+    """The register r through an integer of its width and back: a new SSA value, so that MLIR
+    does not fold a per-register relabelling (vector -> registers -> vector) away."""
+    bits = ir.VectorType(r.type).get_dim_size(0) * mgpu_utils.bitwidth(
+        ir.VectorType(r.type).element_type)
+    return mgpu_utils.bitcast(mgpu_utils.bitcast(r, ir.IntegerType.get_signless(bits)), r.type)
+
+
+def _origins(xa):
+    """{logical index of the register for lane 0 of warp 0: register} of a FragmentedArray."""
+    return {xa.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(xa.registers)}
+
+
+def _as_mma_lhs(x):
+    """A (64, K) tile in the WGMMA layout (8-bit: WGMMA_8BIT) relabelled as `Layout.MMA_LHS`:
+    both give a thread the same elements (warp w rows 16w.., lane (g, t) rows g and g + 8,
+    columns 2t.. (16-bit) or 4t.. (8-bit) of every 8- or 16-column block); only the order of
+    the register array differs. Mosaic has no such relayout, so it is done here, per
+    register, at trace time: no instructions."""
+    src = plgpu.Layout.WGMMA_8BIT if x.dtype.itemsize == 1 else _WG
+    dst = plgpu.Layout.MMA_LHS(x.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(src,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dst))
+    def relabel(_, xa):
+        new = dst.to_mgpu()
+        at = _origins(xa)
+        regs = np.empty(new.registers_shape(xa.shape), dtype=object)
+        for i in np.ndindex(regs.shape):
+            regs[i] = _fresh(at[new.tiling.untile_indices(i)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=new, _is_signed=xa.is_signed)
+
+    return relabel(x)
+
+
+def _scale_rhs(b, s):
+    """fp16(b[k, n] * s[k]): b (K, N) mma.sync's B operand (`Layout.MMA_RHS`), s (K,) in the
+    reduce(0) WGMMA layout (warps may hold different vectors, `_vec_load` with G). Both give
+    lane l the elements k = 8i + 2 (l % 4) + (0, 1), so it is one fp16x2 multiply per register
+    (Mosaic has no broadcast of a vector into MMA_RHS). Not interpretable."""
+    lay = plgpu.Layout.MMA_RHS(b.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(lay, _WG.reduce(0)),
+                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
+    def scale(_, ba, sa):
+        s_at = _origins(sa)
+        regs = np.empty_like(ba.registers)
+        for i, r in np.ndenumerate(ba.registers):
+            regs[i] = arith.mulf(r, s_at[(ba.layout.tiling.untile_indices(i)[0],)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
+
+    return scale(b, s)
+
+
+def _rows_of(za, zb):
+    """The (64, X) tile (WGMMA layout) whose rows 16 w + (0..7) are za and 16 w + (8..15) zb,
+    both (X,) in the reduce(0) layout (per-warp vectors allowed): lane (g, t) holds rows g and
+    g + 8 of its warp's 16, so one mma.sync against it gives both vectors' products with B.
+    Per register, no instructions. Not interpretable."""
+    X = za.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0), _WG.reduce(0)),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), za.dtype, layout=_WG))
+    def rows(_, a, b):
+        src = (_origins(a), _origins(b))
+        lay = mgpu_fa.WGMMA_LAYOUT
+        regs = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            regs[i] = _fresh(src[r0 // 8 % 2][(c0,)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
+
+    return rows(za, zb)
+
+
+def _row_half(x, h: int):
+    """x (64, N) in the WGMMA layout with rows 16 w + 8 h + (0..7) of every warp copied over
+    its 16 rows: the (64, N) broadcast of the h-th vector of a `_rows_of` product. Per
+    register, no instructions. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=_WG))
+    def pick(_, xa):
+        at = _origins(xa)
+        regs = np.empty_like(xa.registers)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            regs[i] = _fresh(at[(r0 - r0 % 16 + 8 * h, c0)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
+                                       _is_signed=xa.is_signed)
+
+    return pick(x)
+
+
+def _mma_rhs(ref, interpret):
+    """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.MMA_RHS(ref.dtype))
+
+
+def _wg_sync(interpret):
+    """A barrier over this warpgroup's 128 threads (named barrier 1 + warpgroup index): orders
+    SMEM stores of one warp before another warp's loads. The interpreter runs a warpgroup as
+    one thread, so it needs none."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def sync(_):
+        mgpu_utils.warpgroup_barrier()
+
+    sync()
+
+
+def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry):
+    """`plgpu.emit_pipeline` for one warpgroup of a block of several, each with its own
+    buffers: steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
+    go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
+    *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step: the
+    copy's own warpgroup barrier (Mosaic's auto barriers) orders it after every read."""
+    def fetch(i, slot):
+        for spec, src, buf in zip(specs, srcs, bufs, strict=True):
+            at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
+                                                          strict=True))
+            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
+
+    for k in range(stages):
+        pl.when(k < nsteps)(functools.partial(fetch, k, k))
+
+    def body(i, carry):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(barrier.at[wg * stages + slot])
+        carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
+        pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot))
+        return carry
+
+    return lax.fori_loop(0, nsteps, body, carry)
+
+
+def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
+                per_warp: bool = False, perm: bool = False):
+    """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
+    broadcast along rows (WGMMA layout). `scale_at(g)` / `min_at(g)` give the vector of group
+    g, `scale_at(g, n)` the (n, X) rows of groups g .. g+n-1. For G = 32 the tile holds two
+    groups: per_warp loads each warp's own group (`_vec_load`), otherwise the upper half of the
+    rows takes the second by a select per element. perm: vectors in the widen8 column order."""
+
+    def vec(at, g):
+        k = (key, at is min_at, g)
+        if k not in cache:  # planes of one group share the SMEM loads of its vectors
+            cache[k] = (_vec_load(at(g), perm=True) if perm else
+                        plgpu.load(at(g), (), layout=_WG.reduce(0)))
+        return lax.broadcast_in_dim(cache[k], shape, [1])
+
+    g = row0 // G
+    if G >= PLANE:
+        return vec(scale_at, g), vec(min_at, g)
+    if per_warp:
+        def wvec(at):
+            k = (key, at is min_at, g, "warp")
+            if k not in cache:
+                cache[k] = _vec_load(at(g, PLANE // G), G=G, perm=perm)
+            return lax.broadcast_in_dim(cache[k], shape, [1])
+        return wvec(scale_at), wvec(min_at)
+    lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
+    return (jnp.where(lo, vec(scale_at, g), vec(scale_at, g + 1)),
+            jnp.where(lo, vec(min_at, g), vec(min_at, g + 1)))
+
+
+def _make_kernel(
+    *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
+    interpret, alt_layout: bool = False,
+):
+    TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
+    Pk, Pv = 8 // key_bits, 8 // value_bits
+    SUB = min(TS, tuning.sub_tokens)  # tokens per compute sub-step (one fori_loop iteration)
+    KCH = _key_chunks(tuning, D, G)
+    DC = D // KCH  # head-dim chunk of the key product
+    planes = SUB // PLANE
+    total_steps = Tq // TS
+    steps_per_split = -(-total_steps // S)
+    mtiles = D // PLANE
+    VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
+    f16 = jnp.float16
+    fold = _folds_keys(tuning, G, D)
+    kfold = _folds_keys_mma(tuning, G, D)
+    i8k = _int8_keys(tuning, G, D)
+    NGS = SUB // G  # key groups per sub-step
+    reload = tuning.reload_codes
+    f8v = _fp8_values(tuning, G, D)
+    fv = _folds_values(tuning, G, D) and not f8v
+    mmv = tuning.mma_sync in ("values", "both")  # value product on mma.sync
+    # fold_v on mma.sync: value code fields as fp16 subnormals (no offset), B = P * s_t scaled
+    # per field against a running max over logit + log2 s_t (`val_prep`), as fp8_values does
+    vsub = fv and mmv and tuning.subnormal_values
+    lgmax = f8v or vsub  # the softmax's running max is over logit + log2 s_t
+    per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
+    w8 = _uses_widen8(tuning, interpret)
+    # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
+    swizzle_codes = tuning.swizzle_codes or w8
+    if w8:
+        widen_k = functools.partial(_widen8, transforms=_swz(jnp.uint8, D))
+        widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
+    else:
+        widen_k = widen_v = lambda ref: _widen_codes(ref[...])
+    # kfold: the key code bytes widened without exponent bits (fields as fp16 subnormals)
+    widen_k0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, D), exponent=False) if w8
+                else lambda ref: ref[...].astype(jnp.uint16))
+    widen_v0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE), exponent=False)
+                if w8 else lambda ref: ref[...].astype(jnp.uint16))
+    extra_names = (["qt_s", "bq_s", "bar2"] if fold else
+                   ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
+    extra_names += ["vd8_s"] if f8v else []
+    W = tuning.wg_per_block
+    mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
+
+    # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
+    kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
+    ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
+    # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
+    vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
+    u8 = jnp.uint8
+    if not alt_layout:
+        pipe_blocks = [
+            ((kc_rows, D), u8, ktf, 0), ((g_rows, D), f16, (), 0), ((g_rows, D), f16, (), 0),
+            ((D, v_cols), u8, vtf, 1),
+            # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
+            ((D // G, TS // VCH, VCH), f16, (), 1), ((D // G, TS // VCH, VCH), f16, (), 1)]
+    else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
+        pipe_blocks = [
+            ((kc_rows, D), u8, ktf, 0), ((g_rows, 2, D), f16, (), 0),
+            ((v_cols // PLANE, D, PLANE), u8, (), 0), ((D // G, TS // VCH, 2, VCH), f16, (), 1)]
+
+    def block_index(ndim, axis, blk, i):
+        """Block indices of step i: `blk(i)` on `axis`, 0 elsewhere."""
+        return tuple(blk(i) if d == axis else 0 for d in range(ndim))
+
+    n_in = 4 if alt_layout else 6
+
+    def kivi_decode_sm90(meta_g, q_g, *refs):
+        if fold or i8k:
+            qt_g, *refs = refs
+        gmem = refs[:n_in]
+        o_g, lse_g, *scratch_refs = refs[n_in:]
+        sc = dict(zip(scratch_names, scratch_refs, strict=True))
+
+        def unit(wg, b, h, s):
+            # This warpgroup's own SMEM (W > 1: every scratch buffer has a leading wg axis).
+            own = (lambda k: sc[k].at[wg]) if W > 1 else sc.__getitem__
+            q_s, p_s, o_s, lse_s, kd_s, vd_s, bar = (
+                own(k) for k in ("q_s", "p_s", "o_s", "lse_s", "kd_s", "vd_s", "bar"))
+            ex = {k: own(k) for k in extra_names}
+
+            def red(x, kind):
+                """x (64, N) reduced over its rows ("add" / "max"): per-warpgroup scratch when
+                several warpgroups share the block (`_wg_reduce`)."""
+                if W > 1 and not interpret:
+                    return _wg_reduce(x, kind, sc["red_s"].at[wg])
+                return x.max(axis=0) if kind == "max" else x.sum(axis=0)
+
+            layer = meta_g[0]
+            n = jnp.minimum(meta_g[1 + b], Tq)
+            first = s * steps_per_split
+            start = first * TS
+            nsteps = jnp.clip(
+                lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
+                jnp.minimum(steps_per_split, total_steps - first))
+
+            plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+            plgpu.barrier_wait(bar)
+            if fold or i8k:  # q^T in f32, loop-invariant: (64 channels, N) per channel tile
+                qt_s, bar2 = ex["qt_s"], ex["bar2"]
+                bq_s = ex["bq_s"] if fold else ex["bq8_s"]
+                plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
+                plgpu.barrier_wait(bar2)
+                if fold:
+                    qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
+                elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
+                    q32 = qt_s[...]
+            if mmk and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
+                qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
+
+            def fold_prep(v):
+                """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
+                w8) for every key group g of the sub-step and returns, per plane p (group g, field
+                j), the (64, N) broadcast of q . z_g - offset_j * sum_c bq_s[g][:, c]: the bias that
+                turns codes-with-offsets . bq_s[g] into q . k. The sums are over the rounded fp16
+                values wgmma reads, so the offsets cancel up to f32 rounding."""
+                us, ws = [], []
+                for g in range(NGS):
+                    u = w = None
+                    tiles = []
+                    for mt in range(mtiles):
+                        cols = pl.ds(mt * PLANE, PLANE)
+                        sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
+                        zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
+                        sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                        zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                        qs = (qt[mt] * sb).astype(f16)
+                        if w8:
+                            _store_p_perm(qs, bq_s.at[g], col0=mt * PLANE)
+                        else:
+                            tiles.append(qs)
+                        uu, ww = qs.astype(jnp.float32), qt[mt] * zb
+                        u = uu if u is None else u + uu
+                        w = ww if w is None else w + ww
+                    if not w8:
+                        t = tiles[0] if mtiles == 1 else jnp.concatenate(tiles, axis=0)
+                        bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
+                    us.append(red(u, "add"))
+                    ws.append(red(w, "add"))
+                plgpu.commit_smem()
+                out = []
+                for p in range(planes):
+                    g, off = p * PLANE // G, _field_offset(key_bits, p % Pk)
+                    out.append(lax.broadcast_in_dim(ws[g] - off * us[g], (PLANE, NP), [1]))
+                return out
+
+            def views(refs, u):
+                """Accessors of sub-step u of one step's SMEM buffers (documented or alt
+                layout). Scale and minimum accessors take a group g (one vector) or (g, n): the
+                rows of n groups."""
+                grows = lambda g, n: g if n == 0 else pl.ds(g, n)
+                kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
+                vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
+                voff = lambda p: (u * SUB + p * PLANE) % VCH
+                if not alt_layout:
+                    kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
+                    return dict(
+                        kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE),
+                                                    pl.ds(c * DC, DC)],
+                        kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
+                        kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
+                        vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
+                                                    pl.ds(vcol + r * PLANE, PLANE)],
+                        vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
+                                                                 pl.ds(voff(p), PLANE)]),
+                        vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
+                                                               pl.ds(voff(p), PLANE)]))
+                kc_s, ksz_s, vc_s, vsz_s = refs
+                vb = u * (SUB // (PLANE * Pv))
+                return dict(
+                    kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE), pl.ds(c * DC, DC)],
+                    kscale=lambda g, n=0: ksz_s.at[grows(kg + g, n), 0],
+                    kmin=lambda g, n=0: ksz_s.at[grows(kg + g, n), 1],
+                    vcodes=lambda r, m: vc_s.at[vb + r, pl.ds(m * PLANE, PLANE), :],
+                    vscale=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 0,
+                                                              pl.ds(voff(p), PLANE)]),
+                    vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
+                                                            pl.ds(voff(p), PLANE)]))
+
+            def k_codes(v, p, cache, c=0, raw=False):
+                """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
+                (64 tokens, DC) (raw: plus the field's offset, `_field_raw`)."""
+                r = p // Pk
+                if reload:
+                    x = widen_k(v["kcodes"](r, c))
+                else:
+                    if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                        cache[r] = widen_k(v["kcodes"](r, c))
+                    x = cache[r]
+                return (_field_raw if raw else _field_to_f16)(x, key_bits, p % Pk)
+
+            def k_tile(v, p, cache, c=0):
+                """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC)
+                fp16."""
+                x = k_codes(v, p, cache, c)
+                cols = pl.ds(c * DC, DC)
+                at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
+                sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
+                                     cache, "k", per_warp, w8)
+                return x * sc + mn
+
+            def v_codes(v, p, m, cache, raw=False):
+                """Raw value codes of plane p, channel tile m: (64 channels, 64 tokens) fp16 (raw:
+                plus the field's offset, `_field_raw`)."""
+                r = (p // Pv, m)
+                if reload:
+                    x = widen_v(v["vcodes"](*r))
+                else:
+                    if r not in cache:
+                        cache[r] = widen_v(v["vcodes"](*r))
+                    x = cache[r]
+                return (_field_raw if raw else _field_to_f16)(x, value_bits, p % Pv)
+
+            def v_tile(v, p, m, cache):
+                """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
+                c = v_codes(v, p, m, cache)
+                sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
+                                     cache, ("v", p), per_warp, w8)
+                return c * sc + mn
+
+            def int8_prep(v):
+                """int8_keys: stores bq_s[g] = round(q * s_g / sigma_g) (int8 [N, D], sigma_g =
+                max_c |q * s_g| / 127 per head) for every key group g of the sub-step and returns,
+                per plane p (group g, field j), the (64, N) broadcasts of sigma_g / weight_j
+                and of q . z_g: scores = int32 accumulator * the first + the second. Natively
+                without a barrier (`_int8_prep_native`); the commit orders it before wgmma."""
+                st8 = ex["st8_s"]
+                for g in range(NGS):
+                    if interpret:
+                        x = q32 * v["kscale"](g)[...].astype(jnp.float32)[None]
+                        am = jnp.abs(x).max(axis=1)
+                        am = jnp.where(am > 0, am, 1.0)  # padded heads: q = 0
+                        bq_s.at[g][...] = jnp.round(x * (127.0 / am)[:, None]).astype(jnp.int8)
+                        st8.at[g, 0][...] = am * (1.0 / 127.0)
+                        st8.at[g, 1][...] = (
+                            q32 * v["kmin"](g)[...].astype(jnp.float32)[None]).sum(axis=1)
+                    else:
+                        _int8_prep_native(qt_s, v["kscale"](g), v["kmin"](g), bq_s.at[g],
+                                          st8.at[g])
+                plgpu.commit_smem()
+                res = []
+                for p in range(planes):
+                    g = p * PLANE // G
+                    wgt = _s8_field_spec(key_bits, p % Pk)[2]
+                    sigma = plgpu.load(st8.at[g, 0], (), layout=_WG.reduce(0))
+                    bias = plgpu.load(st8.at[g, 1], (), layout=_WG.reduce(0))
+                    res.append((lax.broadcast_in_dim(sigma * (1.0 / wgt), (PLANE, NP), [1]),
+                                lax.broadcast_in_dim(bias, (PLANE, NP), [1])))
+                return res
+
+            def k_field8(v, p, cache):
+                """int8_keys: key code field of plane p as the s8 A operand (64 tokens, D)."""
+                r = p // Pk
+                spec = _s8_field_spec(key_bits, p % Pk)
+                if interpret:
+                    return _code_field8_reference(v["kcodes"](r, 0)[...], spec, jnp.int8)
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
+                    cache[r] = plgpu.load(v["kcodes"](r, 0), (), layout=plgpu.Layout.WGMMA_8BIT)
+                return _code_field8(cache[r], spec, jnp.int8)
+
+            def v_field8(v, p, m, cache):
+                """fp8_values: value code field of plane p, channel tile m, as the e4m3 A
+                operand (64 channels, 64 tokens) = code * weight * 2^-9 (`_f8_field_spec`)."""
+                r = (p // Pv, m)
+                spec = _f8_field_spec(value_bits, p % Pv)
+                if interpret:
+                    return _code_field8_reference(v["vcodes"](*r)[...], spec, jnp.float8_e4m3fn)
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
+                    cache[r] = plgpu.load(v["vcodes"](*r), (), layout=plgpu.Layout.WGMMA_8BIT)
+                return _code_field8(cache[r], spec, jnp.float8_e4m3fn)
+
+            def b_shift(p):
+                """lgmax: log2 of the constant c_p in the value product's B = P * s_t * c_p of
+                plane p (field j): fp8_values 256 / w_j (the e4m3 field reads as code * w_j *
+                2^-9); vsub 2^(_VSUB_C - bits j) (the subnormal field reads as code * 2^(bits j
+                - 24)). Either way the product weighs every plane's codes alike (undone at the
+                end) and B <= 2^shift: in e4m3, resp. fp16, range."""
+                if f8v:
+                    return 8.0 - float(np.log2(_f8_field_spec(value_bits, p % Pv)[2]))
+                return float(_VSUB_C - value_bits * (p % Pv))
+
+            def val_prep(v):
+                """lgmax (logits in log2 units): per plane p, the (64, N) broadcasts of log2 s_t,
+                u = 2^-b_shift(p) / s_t and z_t * u, with s_t clamped to 2^-24 so that a zero
+                scale stays finite. The B operand is then B = 2^(logit + log2 s_t - m +
+                b_shift(p)) = P * s_t * c_p, and P = B * u, P * z_t = B * (z_t * u): one fma
+                each for the sums."""
+                out = []
+                for p in range(planes):
+                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
+                    s1 = jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24)
+                    u = 2.0 ** -b_shift(p) / s1
+                    bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
+                    out.append((bc(jnp.log2(s1)), bc(u), bc(zv.astype(jnp.float32) * u)))
+                return out
+
+            def v_codes_sub(v, p, m, cache):
+                """vsub: value code field of plane p, channel tile m, as fp16 subnormals (64
+                channels, 64 tokens) = code * 2^(bits j - 24) (`_field_sub`)."""
+                r = (p // Pv, m, "sub")
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
+                    cache[r] = widen_v0(v["vcodes"](p // Pv, m))
+                return _field_sub(cache[r], value_bits, p % Pv)
+
+            def kfold_scores(v):
+                """fold_k on mma.sync (`_folds_keys_mma`): S^T of plane p (field j, group g)
+                = (codes_j * 2^(bits j - 24)) . fp16(q * s_g) * 2^(24 - bits j) + q . z_g. The
+                code fields enter as fp16 subnormals (`_field_sub`: one and per element pair,
+                no offset, no fma), B = q * s_g is one fp16x2 multiply per register of q's B
+                operand (`_scale_rhs`) per group, and q . z_g comes from one more mma.sync per
+                two planes whose A rows are the two groups' minimums (`_rows_of`). G < 128:
+                each warp scales by the vectors of its own 16 rows' group (`_vec_load` with
+                G; warp_groups is implied)."""
+                f32 = jnp.float32
+                zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), f32), _WG)
+                q = qb[0]  # (D, NP) B operand (registers natively, an array interpreted)
+                if interpret:  # per row half (G = 32: two groups per plane), in jnp
+                    out = []
+                    for p in range(planes):
+                        r = p // Pk
+                        a = _field_sub(widen_k0(v["kcodes"](r, 0)), key_bits, p % Pk)
+                        halves = []
+                        for hf in range(2):
+                            g = (p * PLANE + hf * PLANE // 2) // G
+                            bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
+                            x = jnp.dot(a[hf * 32:(hf + 1) * 32], bq, preferred_element_type=f32)
+                            bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
+                            halves.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
+                        out.append(jnp.concatenate(halves, axis=0))
+                    return out
+                vecs, codes, bqs = {}, {}, {}
+
+                def vec(which, p):
+                    """The scale or minimum of plane p's group(s): per warp below G = 64."""
+                    g = p * PLANE // G
+                    if (which, g) not in vecs:
+                        vecs[which, g] = (_vec_load(v[which](g), perm=w8) if G >= PLANE else
+                                          _vec_load(v[which](g, PLANE // G), G=G, perm=w8))
+                    return vecs[which, g]
+
+                # one key per distinct group vector (G = 128: two planes share one), paired
+                # for the bias products
+                key = [p * PLANE // G if G > PLANE else p for p in range(planes)]
+                uniq = list(dict.fromkeys(key))
+                first = {k: key.index(k) for k in uniq}
+                bias = {}
+                for i in range(0, len(uniq), 2):
+                    ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
+                    c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])), q,
+                             interpret)
+                    bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                out = []
+                for p in range(planes):
+                    r, k = p // Pk, key[p]
+                    if r not in codes:  # one SMEM load of a byte tile serves its Pk planes
+                        codes[r] = widen_k0(v["kcodes"](r, 0))
+                    if k not in bqs:
+                        bqs[k] = _scale_rhs(q, vec("kscale", p))
+                    x = _mma(zero, _field_sub(codes[r], key_bits, p % Pk), bqs[k], interpret)
+                    out.append(x * _field_sub_weight(key_bits, p % Pk) + bias[k])
+                return out
+
+            def mma_scores(v):
+                """`scores` on mma.sync: each plane's tile against B in registers (q loaded
+                once per split; int8_keys: q * s_g of the plane's group from bq_s, once per
+                group and sub-step; fold_k: `kfold_scores`)."""
+                if kfold:
+                    return kfold_scores(v)
+                cache = {}
+                if i8k:
+                    fix = int8_prep(v)
+                    _wg_sync(interpret)  # bq_s was written by other threads
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.int32), _WG)
+                    bregs, out = {}, []
+                    for p in range(planes):
+                        g = p * PLANE // G
+                        if g not in bregs:
+                            bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
+                        x = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
+                        # the int32 scores times sigma_g / weight_j, plus q . z_g
+                        out.append(x.astype(jnp.float32) * fix[p][0] + fix[p][1])
+                    return out
+                out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
+                for c in range(KCH):
+                    cache = {}
+                    for p in range(planes):
+                        out[p] = _mma(out[p], k_tile(v, p, cache, c), qb[c], interpret)
+                return out
+
+            def scores(v):
+                """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
+                bias of `fold_prep`)."""
+                if mmk:
+                    return mma_scores(v)
+                if i8k:
+                    fix = int8_prep(v)
+                    b8 = lambda p: bq_s.at[p * PLANE // G].T
+                    acc8 = plgpu.ACC((PLANE, NP), jnp.int32)
+                    if stage_smem:
+                        def f8(acc, p):
+                            ex["kd8_s"][...] = k_field8(v, p, {})
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, ex["kd8_s"], b8(p))
+                            plgpu.wgmma_wait(0)
+                            return acc[...]
+                        raw = [pl.run_scoped(functools.partial(f8, p=p), acc8)
+                               for p in range(planes)]
+                    else:
+                        def f8(*accs):
+                            cache = {}
+                            for p in range(planes):
+                                plgpu.wgmma(accs[p], k_field8(v, p, cache), b8(p))
+                                if p:
+                                    plgpu.wgmma_wait(1)
+                            plgpu.wgmma_wait(0)
+                            return [a[...] for a in accs]
+                        raw = pl.run_scoped(f8, *[acc8] * planes)
+                    return [a.astype(jnp.float32) * sc_ + bias for a, (sc_, bias) in zip(
+                        raw, fix, strict=True)]
+                if fold:  # code fields with their offsets against q * s_g of the plane's group
+                    a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
+                    b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
+                else:
+                    a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
+                    b_ref = lambda p, c: q_s.at[c].T
+                if stage_smem:
+                    def f(acc, p):
+                        for c in range(KCH):
+                            kd_s[...] = a_tile(p, {}, c)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, kd_s, b_ref(p, c))
+                            plgpu.wgmma_wait(0)
+                        return acc[...]
+                    return [pl.run_scoped(functools.partial(f, p=p),
+                                          plgpu.ACC((PLANE, NP), jnp.float32))
+                            for p in range(planes)]
+
+                def f(*accs):
+                    # Dequantize the next tile on the CUDA cores while the previous wgmma runs;
+                    # head-dim chunks outermost so that one chunk's code bytes and vectors are live.
+                    first = True
+                    for c in range(KCH):
+                        cache = {}
+                        for p in range(planes):
+                            plgpu.wgmma(accs[p], a_tile(p, cache, c), b_ref(p, c))
+                            if not first and tuning.overlap:
+                                plgpu.wgmma_wait(1)
+                            elif not tuning.overlap:
+                                plgpu.wgmma_wait(0)
+                            first = False
+                    plgpu.wgmma_wait(0)
+                    return [a[...] for a in accs]
+                return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
+
+            def step(idx, *refs):
+                *refs, carry = refs
+                if tuning.skip == "compute":  # ablation: the TMA pipeline alone
+                    return carry
+                (i,) = idx
+                if TS == SUB:
+                    return sub_step(refs, start + i * TS, 0, carry)
+                # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
+                # size at one sub-step's.
+                return lax.fori_loop(
+                    0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c),
+                    carry)
+
+            def sub_step(refs, tok0, u, carry):
+                v = views(refs, u)
+                kbias = fold_prep(v) if fold else None
+                m_run, l_t, accs, zaccs = carry
+                rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
+                st = [jnp.where(tok0 + p * PLANE + rows < n, x if kbias is None else x + kbias[p],
+                                -jnp.inf)
+                      for p, x in enumerate(scores(v))]
+                if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
+                    pre = val_prep(v)
+                    st = [x + pre[p][0] for p, x in enumerate(st)]
+                tmax = st[0]
+                for x in st[1:]:
+                    tmax = jnp.maximum(tmax, x)
+                m_new = jnp.maximum(m_run, red(tmax, "max"))
+                alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
+                ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
+                    bs = []
+                    for p, x in enumerate(st):
+                        mc = lax.broadcast_in_dim(m_new - b_shift(p), (PLANE, NP), [1])
+                        bs.append(jnp.exp2(x - mc))
+                    l_t, zacc = l_t * ab, zaccs[0] * ab
+                    for p, x in enumerate(bs):
+                        l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
+                    zaccs = (zacc,)
+                else:
+                    mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
+                    ps = [jnp.exp2(x - mb) for x in st]
+                    l_t = l_t * ab
+                    for x in ps:
+                        l_t = l_t + x
+                accs = tuple(a * ab for a in accs)
+                if tuning.skip == "values":
+                    return m_new, l_t, accs, zaccs
+                corr = None
+                if fv and not vsub:
+                    corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
+                if f8v:  # the B operand of every plane: e4m3 (through fp16) of B'
+                    for p in range(planes):
+                        x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)
+                        p_s.at[p].T[...] = x16.astype(p_s.dtype)
+                if vsub:
+                    for p in range(planes):
+                        _store_p(bs[p].astype(f16), p)
+                # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
+                # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
+                # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
+                # stored by _fold_values.
+                if tuning.p_direct:
+                    for p in range(planes):
+                        p_s[p] = ps[p].astype(f16)
+                    pb = lambda p: p_s.at[p]
+                elif tuning.p_concat:
+                    p_s.T[...] = plgpu.layout_cast(jnp.concatenate(ps, axis=0).astype(f16), _WGT)
+                    pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
+                else:
+                    if not (fv or f8v):
+                        for p in range(planes):
+                            _store_p(ps[p].astype(f16), p)
+                    pb = lambda p: p_s.at[p].T
+                plgpu.commit_smem()
+                vt = (v_field8 if f8v else v_codes_sub if vsub else
+                      functools.partial(v_codes, raw=True) if fv else v_tile)
+                vd = ex["vd8_s"] if f8v else vd_s
+                cache = {}
+                if mmv:  # P (stored by every warp) as each warp's B operand, in registers
+                    _wg_sync(interpret)
+                    new = [zero() for _ in range(mtiles)] if f8v else list(accs)
+                    for p in range(planes):
+                        b = _mma_rhs(pb(p), interpret)
+                        for mt in range(mtiles):
+                            new[mt] = _mma(new[mt], vt(v, p, mt, cache), b, interpret)
+                    # f8v: a sub-step's product in fresh accumulators, as for wgmma
+                    accs = tuple(a + x for a, x in zip(accs, new, strict=True)) if f8v else \
+                        tuple(new)
+                elif stage_smem:
+                    new = []
+                    for mt in range(mtiles):
+                        def pv(acc, mt=mt):
+                            cache = {}  # values loaded in one scope must not leak into another
+                            for p in range(planes):
+                                vd[...] = vt(v, p, mt, cache)
+                                plgpu.commit_smem()
+                                plgpu.wgmma(acc, vd, pb(p))
+                                plgpu.wgmma_wait(0)
+                            return acc[...]
+                        new.append(accs[mt] + pl.run_scoped(
+                            pv, plgpu.ACC((PLANE, NP), jnp.float32)))
+                    accs = tuple(new)
+                else:
+                    def pv(acc_refs):
+                        for p in range(planes):
+                            for mt in range(mtiles):
+                                plgpu.wgmma(acc_refs[mt], vt(v, p, mt, cache), pb(p))
+                                if tuning.lean_values:
+                                    plgpu.wgmma_wait(1)
+                            if tuning.lean_values:
+                                pass
+                            elif p and tuning.overlap:
+                                plgpu.wgmma_wait(mtiles)
+                            elif not tuning.overlap:
+                                plgpu.wgmma_wait(0)
+                        plgpu.wgmma_wait(0)
+                    if f8v:
+                        # Hopper's fp8 wgmma accumulates with ~14 significant bits (DeepSeek-V3,
+                        # sec. 3.3.2; measured here: the error grew with the context, run 24):
+                        # a sub-step's product goes into fresh accumulators, added in f32.
+                        def fresh(*refs):
+                            pv(refs)
+                            return [a[...] for a in refs]
+                        new = pl.run_scoped(fresh, *[plgpu.ACC((PLANE, NP), jnp.float32)] * mtiles)
+                        accs = tuple(a + x for a, x in zip(accs, new, strict=True))
+                    else:
+                        accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+                if corr is not None:  # the code fields' offsets, subtracted every sub-step
+                    accs = tuple(a + corr for a in accs)
+                return m_new, l_t, accs, zaccs
+
+            def _store_p(x16, idx):
+                """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
+                widen8 order when w8)."""
+                if w8:
+                    _store_p_perm(x16, p_s.at[idx])
+                else:
+                    p_s.at[idx].T[...] = plgpu.layout_cast(x16, _WGT)
+
+            def _fold_values(v, ps, zaccs):
+                """fv (one channel group per token): stores P * s_t (fp16) of every plane as the B
+                operand and returns (corr, zaccs): corr the (64, N) broadcast of
+                -sum_t offset_j * fp16(P * s_t) (the offsets the raw code fields carry into the
+                product, from the rounded values wgmma sees, so they cancel up to the f32 sums),
+                zaccs[0] += P * z_t elementwise (the minimums' term, reduced at the end)."""
+                (zacc,) = zaccs
+                coff = None
+                for p in range(planes):
+                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
+                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
+                    sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
+                    zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
+                    pp = (ps[p] * sb).astype(f16)
+                    _store_p(pp, p)
+                    c = pp.astype(jnp.float32) * -_field_offset(value_bits, p % Pv)
+                    coff = c if coff is None else coff + c
+                    zacc = zacc + ps[p] * zb
+                return lax.broadcast_in_dim(red(coff, "add"), (PLANE, NP), [1]), (zacc,)
+
+            m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
+            l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+            zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+            a0 = tuple(zero() for _ in range(mtiles))
+            z0 = (zero(),) if fv or f8v else ()  # fv, f8v: sum_t P * z_t
+            # Block indices are offset by this split's first step (a traced value).
+            if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
+                blk = lambda i: first + lax.rem(i, 2)
+            else:
+                blk = lambda i: first + i
+            specs = [plgpu.BlockSpec(shape, functools.partial(block_index, len(shape), axis, blk),
+                                     transforms=tf)
+                     for shape, _, tf, axis in pipe_blocks]
+            srcs = [x.at[layer, b, h] for x in gmem]
+            if W > 1:
+                m_run, l_t, accs, zaccs = _pipeline(
+                    step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
+                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0))
+            else:
+                m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
+                    step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
+                    init_carry=(m0, l0, a0, z0),
+                )(*srcs)
+            l = red(l_t, "add")
+            ok = l > 0
+            inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+            ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
+            if fv or f8v:  # the minimums' term; lgmax: the codes' product weighs 2^-1 (f8v)
+                # or 2^(_VSUB_C - 24) (vsub)
+                zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
+                cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C)) if vsub else 1.0
+                accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
+            for mt in range(mtiles):
+                o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
+            # log2 units -> natural log
+            lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
+            lse_s[...] = jnp.where(ok, lse, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
+            plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
+            plgpu.wait_smem_to_gmem(0)
+
+        if W > 1:  # unit u = (b, h, s) of this warpgroup; the last block may have idle ones
+            wg = lax.axis_index("wg")
+            u = lax.axis_index("blk") * W + wg
+            b, h, s = lax.div(u, Hkv * S), lax.rem(lax.div(u, S), Hkv), lax.rem(u, S)
+            pl.when(u < B * Hkv * S)(lambda: unit(wg, b, h, s))
+        else:
+            unit(0, lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"))
+
+    # W > 1: every buffer has a leading warpgroup axis.
+    per_wg = lambda *shape: (W, *shape) if W > 1 else shape
+    scratch = {
+        "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
+        "p_s": (plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
+                           transforms=_swz(jnp.float8_e4m3fn, PLANE)) if f8v else
+                plgpu.SMEM(per_wg(planes, PLANE, NP), f16, transforms=_swz(f16, NP))
+                if tuning.p_direct else
+                plgpu.SMEM(per_wg(NP, SUB), f16, transforms=_swz(f16, SUB)) if tuning.p_concat
+                else plgpu.SMEM(per_wg(planes, NP, PLANE), f16, transforms=_swz(f16, PLANE))),
+        "o_s": plgpu.SMEM(per_wg(D, NP), jnp.float32),
+        "lse_s": plgpu.SMEM(per_wg(NP), jnp.float32),
+        # Staging tiles for the interpreter's SMEM-only wgmma (tiny placeholders otherwise).
+        "kd_s": plgpu.SMEM(per_wg(PLANE, DC) if stage_smem else per_wg(8, 64), f16,
+                           transforms=_swz(f16, DC if stage_smem else 64)),
+        "vd_s": plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64), f16,
+                           transforms=_swz(f16, 64)),
+        "bar": plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier(),
+    }
+    if fold:
+        scratch.update(
+            qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
+            bq_s=plgpu.SMEM(per_wg(NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
+            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
+    if i8k:
+        scratch.update(
+            qt_s=plgpu.SMEM(per_wg(NP, D), jnp.float32),  # q (sm_scale applied), f32
+            bq8_s=plgpu.SMEM(per_wg(NGS, NP, D), jnp.int8, transforms=_swz(jnp.int8, D)),
+            # the interpreter's SMEM-staged s8 A operand (a placeholder natively)
+            kd8_s=plgpu.SMEM(per_wg(PLANE, D) if stage_smem else per_wg(8, 128), jnp.int8,
+                             transforms=_swz(jnp.int8, 128)),
+            st8_s=plgpu.SMEM(per_wg(NGS, 2, NP), jnp.float32),  # sigma_g and q . z_g per head
+            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
+    if f8v:  # the interpreter's SMEM-staged e4m3 A operand (a placeholder natively)
+        scratch["vd8_s"] = plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64),
+                                      jnp.float8_e4m3fn, transforms=_swz(jnp.float8_e4m3fn, 64))
+    if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
+        for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
+            scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
+        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
+        scratch["red_s"] = plgpu.SMEM((W, _RED_SCRATCH), jnp.float32)
+    scratch_names = list(scratch)
+    if W > 1:
+        grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), num_threads=W,
+                    thread_name="wg")
+    else:
+        grid = dict(grid=(B, Hkv, S), grid_names=("b", "h", "s"))
+    return plgpu.kernel(
+        kivi_decode_sm90,
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
+                  jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
+        **grid,
+        scratch_types=list(scratch.values()),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+
+
+
+def _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+                  key_bits, value_bits, group_size):
+    """Validates shapes and dtypes; returns (L, B, Hq, Hkv, D, Tq)."""
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits not in SUPPORTED_BITS:
+            raise NotImplementedError(f"{name}={bits}: only {SUPPORTED_BITS} are supported")
+    if group_size not in SUPPORTED_GROUPS:
+        raise NotImplementedError(f"group_size={group_size}: only {SUPPORTED_GROUPS} are supported")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"q dtype {q.dtype}: only bfloat16 and float16 are supported")
+    B, Hq, D = q.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim D={D}: only {SUPPORTED_HEAD_DIMS} are supported")
+    if D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim D={D} (value groups)")
+    if k_codes.ndim != 5:
+        raise ValueError(f"k_codes must be [L, B, Hkv, Tq/Pk, D], got shape {k_codes.shape}")
+    L, _, Hkv, _, _ = k_codes.shape
+    Pk, Pv = 8 // key_bits, 8 // value_bits
+    Tq = k_codes.shape[3] * Pk
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"q heads Hq={Hq} must be a multiple of the kv heads Hkv={Hkv}")
+    if Tq % 256 or Tq == 0:
+        raise ValueError(
+            f"quantized capacity Tq={Tq} (from k_codes) must be a positive multiple of 256")
+    expect = {
+        "k_codes": ((L, B, Hkv, Tq // Pk, D), jnp.uint8),
+        "k_scale": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "k_min": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "v_codes": ((L, B, Hkv, D, Tq // Pv), jnp.uint8),
+        "v_scale": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+        "v_min": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+    }
+    got = dict(k_codes=k_codes, k_scale=k_scale, k_min=k_min, v_codes=v_codes, v_scale=v_scale,
+               v_min=v_min)
+    for name, (shape, dtype) in expect.items():
+        x = got[name]
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} (docs/layout.md), got {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ValueError(f"{name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}")
+    nt_type = jnp.result_type(num_tokens)
+    if tuple(jnp.shape(num_tokens)) != (B,) or not jnp.issubdtype(nt_type, jnp.integer):
+        raise ValueError(f"num_tokens must be an int32 [B={B}] array, got {jnp.shape(num_tokens)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if Hq // Hkv > MAX_PADDED_HEADS:
+        raise NotImplementedError(
+            f"Hq/Hkv={Hq // Hkv} query heads per kv head (max {MAX_PADDED_HEADS})")
+    return L, B, Hq, Hkv, D, Tq
+
+
+def merge_partials(o_parts, lse_parts):
+    """Log-sum-exp merge over the split axis. o_parts [..., S, D, N], lse_parts [..., S, N] ->
+    (o [..., N, D], lse [..., N]); rows whose splits are all empty give o = 0, lse = -inf."""
+    mx = lse_parts.max(axis=-2)
+    safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse_parts - safe[..., None, :])  # [..., S, N]; exp(-inf) = 0 for empty splits
+    tot = w.sum(axis=-2)
+    o = jnp.einsum("...sdn,...sn->...nd", o_parts, w)
+    o = jnp.where((tot > 0)[..., None], o / jnp.where(tot > 0, tot, 1.0)[..., None], 0.0)
+    lse = jnp.where(tot > 0, safe + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+    return o, lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret",
+                     "stage_smem", "alt_layout"),
+)
+def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale,
+                 tuning, interpret, stage_smem, alt_layout=False):
+    if alt_layout:  # benchmark-only layout experiment; shapes as in `to_alt_layout`
+        B, Hq, D = q.shape
+        L, _, Hkv, rows, _ = cache[0].shape
+        Tq = rows * (8 // key_bits)
+    else:
+        L, B, Hq, Hkv, D, Tq = _check_inputs(q, *cache, num_tokens, layer, key_bits, value_bits,
+                                             group_size)
+    nq = Hq // Hkv
+    # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
+    NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
+    # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
+    # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
+    sm_scale = sm_scale * float(np.log2(np.e))
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
+    # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
+    # int8_keys: q itself in float32 [NP, D] (q * s_g and its int8 rounding in-kernel).
+    extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
+             if _folds_keys(tuning, group_size, D) else
+             (qf,) if _int8_keys(tuning, group_size, D) else ())
+    qf = qf.astype(_MMA_DTYPE)
+    if _uses_widen8(tuning, interpret):  # key tile channels in the _PERM16 order
+        qf = permute_contraction(qf)
+    # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
+    kch = _key_chunks(tuning, D, group_size)
+    qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
+    meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
+                            jnp.asarray(num_tokens, jnp.int32).reshape(B)])
+    if not alt_layout:
+        k_codes, k_scale, k_min, v_codes, v_scale, v_min = cache
+        vch = min(tuning.block_tokens, 256)
+        v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // vch, vch)  # free: splits minor dim
+        v_min = v_min.reshape(*v_min.shape[:-1], Tq // vch, vch)
+        cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
+                        value_bits=value_bits, G=group_size, tuning=tuning,
+                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
+    o_parts, lse_parts = kern(meta, qf, *extra, *cache)
+    o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
+    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+
+
+def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
+    """The experimental layout measured in docs/performance.md (not the project's layout):
+    V codes as [L,B,Hkv,Tq/(64 Pv),D,64] (one contiguous block per 64*Pv tokens), key scale and
+    minimum merged [L,B,Hkv,Tq/G,2,D], value scale and minimum merged [L,B,Hkv,D/G,Tq/vch,2,vch].
+    """
+    *lead, D, cols = v_codes.shape
+    vc = v_codes.reshape(*lead, D, cols // PLANE, PLANE)
+    vc = jnp.moveaxis(vc, -2, -3)
+    ksz = jnp.stack([k_scale, k_min], axis=-2)
+    *lead, dg, tq = v_scale.shape
+    vs = v_scale.reshape(*lead, dg, tq // vch, vch)
+    vz = v_min.reshape(*lead, dg, tq // vch, vch)
+    vsz = jnp.stack([vs, vz], axis=-2)
+    return k_codes, ksz, vc, vsz
+
+
+def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
+                key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+                tuning: TuningConfig | None = None, interpret=False, low_precision: bool = False):
+    """Decode attention of one query token per row over the quantized KIVI cache of one layer.
+
+    q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
+    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes [L,B,Hkv,D,Tq/Pv]
+    u8, v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend to positions
+    [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be traced; the kernel
+    reads both itself). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log
+    sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
+
+    `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the SMEM-staged
+    variant under the Mosaic GPU interpreter (any backend). `low_precision`: turn on the opt-in
+    fp8 value product (`TuningConfig.fp8_values`; it applies at G = D and changes nothing
+    elsewhere) on `tuning` (its value product then on wgmma) or on choose_tuning's, the key
+    product staying exact on mma.sync
+    (faster and more precise than the int8 key product since run 40; `int8_keys` stays
+    reachable through `tuning`).
+    Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
+    on unsupported bits, group sizes, head dims or dtypes.
+    """
+    _, B, _, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+                                        num_tokens, layer, key_bits, value_bits, group_size)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    elif interpret is None:
+        interpret = False
+    if tuning is None:
+        tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
+                               group_size=group_size, head_dim=D, fp8_values=low_precision)
+    elif low_precision:  # the fp8 value product on wgmma (fp8 mma.sync was slower, run 39)
+        tuning = dataclasses.replace(
+            tuning, fp8_values=True,
+            mma_sync={"both": "keys", "values": ""}.get(tuning.mma_sync, tuning.mma_sync))
+    need = max(_min_block(key_bits, value_bits), group_size)
+    if tuning.block_tokens % need:
+        raise ValueError(f"tuning.block_tokens={tuning.block_tokens} must be a multiple of {need} "
+                         f"for key_bits={key_bits}, value_bits={value_bits}, G={group_size}")
+    if Tq % tuning.block_tokens:
+        raise ValueError(f"Tq={Tq} must be a multiple of tuning.block_tokens={tuning.block_tokens}")
+    if tuning.block_tokens > 256 * (8 // key_bits):  # a TMA box is at most 256 rows
+        raise ValueError(f"tuning.block_tokens={tuning.block_tokens} > {256 * (8 // key_bits)} "
+                         f"(256 rows of {key_bits}-bit key codes per copy)")
+    smem = smem_bytes(tuning, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                      head_dim=D, padded_heads=max(8, -(-(q.shape[1] // Hkv) // 8) * 8))
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"tuning={tuning} needs about {smem} bytes of shared memory "
+                         f"(limit {SMEM_LIMIT}): fewer stages or smaller block_tokens")
+    return _kivi_decode(q, (k_codes, k_scale, k_min, v_codes, v_scale, v_min), num_tokens, layer,
+                        key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                        sm_scale=float(sm_scale), tuning=tuning, interpret=interpret,
+                        stage_smem=interpret is not False)
+
+
+def _running_max(x, tuning: TuningConfig):
+    """x [..., Tq] -> the kernel's running max at every position: the max over the position's
+    split up to the end of its sub-step (splits of ceil(steps / S) steps of block_tokens,
+    sub-steps of min(block_tokens, sub_tokens) tokens)."""
+    Tq = x.shape[-1]
+    TS = tuning.block_tokens
+    SUB = min(TS, tuning.sub_tokens)
+    sps = -(-(Tq // TS) // tuning.num_splits)  # steps per split
+    sub_max = x.reshape(*x.shape[:-1], Tq // SUB, SUB).max(axis=-1)
+    per = sps * TS // SUB  # sub-steps per split
+    run = jnp.concatenate([lax.cummax(sub_max[..., a:a + per], axis=sub_max.ndim - 1)
+                           for a in range(0, Tq // SUB, per)], axis=-1)
+    return jnp.repeat(run, SUB, axis=-1)
+
+
+def _unpack_layer(codes, bits, axis):
+    from kivi_jax.quant import unpack  # the packing rule is defined once, in kivi_jax.quant
+
+    return unpack(codes, bits, axis=axis, plane=PLANE)
+
+
+@functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale",
+                                             "int8_keys", "fp8_values", "tuning"))
+def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
+                          *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+                          tuning=None, interpret=False, int8_keys: bool = False,
+                          fp8_values: bool = False):
+    """The kernel's twin in float32, in folded form: key scale folded into q per token group,
+    value scale into p per token and channel group, minimums as biases. Same signature and
+    outputs as `kivi_decode` (tuning/interpret ignored). int8_keys: q * s_g rounded to int8 per
+    group and head as the kernel does with `TuningConfig.int8_keys` (scale max_c |q * s_g| /
+    127, rounding half to even). fp8_values (G = D): P * s_t rounded to e4m3 through fp16 as the
+    kernel does with `TuningConfig.fp8_values`, relative to the kernel's running max of
+    logit + ln s_t (per split, updated every sub-step; `tuning` gives the splits and sub-steps,
+    default `choose_tuning`'s), so the rounding is the kernel's up to f32 arithmetic."""
+    del interpret
+    L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+                                         num_tokens, layer, key_bits, value_bits, group_size)
+    G, nq = group_size, Hq // Hkv
+    f32 = jnp.float32
+    take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
+    sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+    kc = _unpack_layer(sel(k_codes), key_bits, 2)  # [B, Hkv, Tq, D]
+    vc = _unpack_layer(sel(v_codes), value_bits, 3)  # [B, Hkv, D, Tq]
+    ks, kz, vs, vz = take(k_scale), take(k_min), take(v_scale), take(v_min)
+    qs = q.astype(f32).reshape(B, Hkv, nq, D) * sm_scale
+    # keys: q'_g = q * s_g (per token group g), bias_g = q . z_g
+    qg = qs[:, :, None] * ks[:, :, :, None, :]  # [B,H,Tq/G,nq,D]
+    if int8_keys:
+        am = jnp.abs(qg).max(axis=-1, keepdims=True)
+        am = jnp.where(am > 0, am, 1.0)
+        qg = jnp.round(qg * (127.0 / am)) * (am * (1.0 / 127.0))  # half to even, as cvt.rni
+    kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
+    logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
+    logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
+    logits = logits.reshape(B, Hkv, nq, Tq)
+    n = jnp.minimum(jnp.asarray(num_tokens, jnp.int32), Tq)
+    valid = jnp.arange(Tq)[None, :] < n[:, None]  # [B, Tq]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    mx = logits.max(axis=-1)
+    safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(logits - safe[..., None])  # [B,H,nq,Tq]
+    tot = p.sum(axis=-1)
+    # values: P'_c = p * s_v[t, c] per channel group c, bias = sum_t p * z_v[t, c]
+    pg = p[:, :, :, None, :] * vs[:, :, None]  # [B,H,nq,D/G,Tq]
+    if fp8_values:
+        if G != D:
+            raise ValueError(f"fp8_values needs group_size == head_dim, got G={G}, D={D}")
+        if tuning is None:
+            tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
+                                   group_size=G, head_dim=D)
+        s1 = jnp.maximum(vs[:, :, 0], 2.0 ** -24)[:, :, None]  # [B,H,1,Tq]
+        lg = logits + jnp.log(s1)
+        ref = _running_max(lg, tuning)  # the kernel's reference point of every token
+        seen = jnp.isfinite(ref)  # positions before a split's first valid token: masked
+        ref = jnp.where(seen, ref, 0.0)
+        bt = jnp.exp(lg - ref)  # P * s_t <= 1 against the running max
+        mx = lg.max(axis=-1)
+        safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        rescale = jnp.where(seen, jnp.exp(ref - safe[..., None]), 0.0)  # the kernel's alphas
+        p = bt / s1 * rescale
+        tot = p.sum(axis=-1)
+        Pv = 8 // value_bits  # field weight of each plane, then of each token's plane
+        wgt = np.array([_f8_field_spec(value_bits, j)[2] for j in range(Pv)],
+                       np.float32)[(np.arange(Tq) // PLANE) % Pv]
+        b8 = (bt * (256.0 / wgt)).astype(jnp.float16).astype(jnp.float8_e4m3fn)
+        pg = (b8.astype(f32) * (wgt / 256.0) * rescale)[:, :, :, None, :]
+    vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)
+    o = jnp.einsum("bhncT,bhcgT->bhncg", pg, vcg, precision="highest")
+    o = o + jnp.einsum("bhnT,bhcT->bhnc", p, vz, precision="highest")[..., None]
+    o = o.reshape(B, Hkv, nq, D)
+    ok = tot > 0
+    o = jnp.where(ok[..., None], o / jnp.where(ok, tot, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
