@@ -3,7 +3,8 @@
 # no async-proxy fence before mma.sync reads P, a one-barrier cross-warp max, the ragged mask
 # only on a row's last sub-step, P stored through movmatrix (32-bit stores). GPU tests of the
 # kernel module and the attention/model kernel tests, then an A/B against the kernel at 9dd6799
-# (bench/scratch/kd_9dd6799.py) in one process at the anchor.
+# (bench/scratch/kd_9dd6799.py: `git show 9dd6799:pallas_kernels/kivi_decode_sm90.py`, not
+# committed; the device call carries it) in one process at the anchor.
 set -x
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)
