@@ -5,9 +5,9 @@
 
 Timing as bench/decode_attention.py (Hq=32, Hkv=8, D=128). A variant is "default"
 (choose_tuning's) or comma-separated overrides of it (`decode_attention.override`); with
---prev FILE (an earlier kivi_decode_sm90.py, e.g. from `git show REV:pallas_kernels/...`), a
-variant "prev" or "prev:overrides" runs that module's kernel with its own choose_tuning, for an
-A/B of two versions in one process.
+--prev FILE[,FILE2..] (earlier kivi_decode_sm90.py files, e.g. from `git show
+REV:pallas_kernels/...`), a variant "prev" ("prev2", ..) or "prev:overrides" runs that module's
+kernel with its own choose_tuning, for an A/B of versions in one process.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ def main():
     ap.add_argument("--points", default="16x4096,4x32768", help="BxT list")
     ap.add_argument("--kbg", default="2:128", help="bits:G list")
     ap.add_argument("--variants", default="default;fold_k=0;subnormal_values=0")
-    ap.add_argument("--prev", default="", help="an earlier kernel module file (variant prev)")
+    ap.add_argument("--prev", default="",
+                    help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()
     mods = {"": kd}
-    if a.prev:
-        spec = importlib.util.spec_from_file_location("kd_prev", a.prev)
-        mods["prev"] = sys.modules["kd_prev"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods["prev"])  # (dataclasses look their module up there)
+    for i, path in enumerate(filter(None, a.prev.split(","))):
+        name = "prev" if i == 0 else f"prev{i + 1}"
+        spec = importlib.util.spec_from_file_location(f"kd_{name}", path)
+        mods[name] = sys.modules[f"kd_{name}"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])  # (dataclasses look their module up there)
     Hq, Hkv, D = 32, 8, 128
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
     for pt in a.points.split(","):
@@ -43,9 +45,8 @@ def main():
         for kbg in a.kbg.split(","):
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
-                which, _, flags = var.rpartition(":") if var.startswith("prev") else ("", "", var)
-                if var == "prev":
-                    which, flags = "prev", "default"
+                which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
+                flags = flags or "default"
                 da.kd = mods[which]
                 base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
                 tun = base if flags == "default" else da.override(base, flags)

@@ -320,6 +320,27 @@ def _folds_keys_mma(tuning: TuningConfig, group_size: int, head_dim: int = 128) 
                 and not _int8_keys(tuning, group_size, head_dim))
 
 
+def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
+                      stage_smem: bool = False) -> bool:
+    """Whether the kernel is compiled without Mosaic's auto barriers (one before every TMA
+    copy, two around every SMEM store through a ref; `CompilerParams.unsafe_no_auto_barriers`):
+    where every cross-warp hand-over in the loop has a barrier of its own. That is several
+    warpgroups per block (`_pipeline`: one barrier before a step's copies) with both products
+    on mma.sync, P stored by `_store_p_perm` (widen8) and no reduction between the loop max and
+    `_wg_sync` (the loop max's barrier orders a sub-step's reads of P and of the reduction
+    scratch before the next sub-step's writes; `_wg_sync` the writes of P before its reads);
+    the epilogue's stores are ordered by its reductions and commit_smem. Not the wgmma,
+    int8/fp8 or SMEM-staged paths, whose stores through refs rely on the auto barriers."""
+    fv = _folds_values(tuning, group_size, head_dim) and not _fp8_values(
+        tuning, group_size, head_dim)
+    return bool(tuning.wg_per_block > 1 and tuning.mma_sync == "both" and not stage_smem
+                and _uses_widen8(tuning, interpret)
+                and (tuning.subnormal_values or not fv)
+                and not _folds_keys(tuning, group_size, head_dim)
+                and not _int8_keys(tuning, group_size, head_dim)
+                and not _fp8_values(tuning, group_size, head_dim))
+
+
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
     64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
@@ -922,20 +943,25 @@ def _wg_sync(interpret):
     sync()
 
 
-def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry):
+def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
+              sync: bool = False):
     """`plgpu.emit_pipeline` for one warpgroup of a block of several, each with its own
     buffers: steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
-    *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step: the
-    copy's own warpgroup barrier (Mosaic's auto barriers) orders it after every read."""
-    def fetch(i, slot):
+    *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step, ordered
+    after every warp's reads by a warpgroup barrier: each copy's own (Mosaic's auto barriers),
+    or, with `sync` (a kernel compiled without auto barriers), one before all of the step's
+    copies (run 54: the six barriers and the code between them were 9% of the stalls)."""
+    def fetch(i, slot, first=False):
+        if sync and not first:
+            _wg_sync(False)
         for spec, src, buf in zip(specs, srcs, bufs, strict=True):
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
                                                           strict=True))
             plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
 
     for k in range(stages):
-        pl.when(k < nsteps)(functools.partial(fetch, k, k))
+        pl.when(k < nsteps)(functools.partial(fetch, k, k, True))
 
     def body(i, carry):
         slot = lax.rem(i, stages)
@@ -1023,6 +1049,7 @@ def _make_kernel(
     extra_names += ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
+    no_auto = _no_auto_barriers(tuning, G, D, interpret, stage_smem)
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1630,7 +1657,7 @@ def _make_kernel(
             if W > 1:
                 m_run, l_t, accs, zaccs = _pipeline(
                     step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
-                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0))
+                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -1717,7 +1744,8 @@ def _make_kernel(
                   jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
         **grid,
         scratch_types=list(scratch.values()),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             unsafe_no_auto_barriers=no_auto),
         interpret=interpret,
     )
 

@@ -313,6 +313,23 @@ def test_value_fold_gating():
     assert kd._uses_widen8(TC(fold_v=True), False)
 
 
+def test_no_auto_barriers_gating():
+    """Mosaic's auto barriers go only where every cross-warp hand-over of the loop has its own
+    barrier: several warpgroups per block, both products on mma.sync, P through widen8's store,
+    natively; never with the SMEM-staged, wgmma, int8 or fp8 paths or the run-40 value fold."""
+    W4 = TC(fold_k=True, wg_per_block=4)
+    assert kd._no_auto_barriers(W4, 128, 128, False)
+    assert kd._no_auto_barriers(W4, 32, 128, False)  # keys fold, values dequantized
+    assert kd._no_auto_barriers(TC(wg_per_block=3), 128, 128, False)
+    assert not kd._no_auto_barriers(W4, 128, 128, plgpu.InterpretGPUParams())
+    assert not kd._no_auto_barriers(W4, 128, 128, False, stage_smem=True)
+    assert not kd._no_auto_barriers(TC(fold_k=True), 128, 128, False)  # one warpgroup
+    for flags in (dict(mma_sync="keys"), dict(mma_sync=""), dict(int8_keys=True),
+                  dict(fp8_values=True), dict(subnormal_values=False), dict(widen8=False),
+                  dict(fold_k=True, mma_sync="values")):
+        assert not kd._no_auto_barriers(dataclasses.replace(W4, **flags), 128, 128, False), flags
+
+
 def test_key_fold_gating():
     """fold_k: with the key product on wgmma the key scale folds into q through SMEM where a
     256-token sub-step holds at most two groups; on mma.sync it folds in registers at every G.
@@ -566,6 +583,12 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16, TC(256, 3, 2, fold_k=True)),
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, fp8_values=True, mma_sync="keys", wg_per_block=3)),
+    # compiled without auto barriers (`_no_auto_barriers`): four warpgroups at G = 128 (the
+    # anchor's launch), three at G = 32, 4-bit 128-token steps
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_k=True, wg_per_block=4)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
+     TC(128, 6, 3, fold_k=True, wg_per_block=3)),
 ]
 
 
