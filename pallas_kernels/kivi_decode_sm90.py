@@ -1099,9 +1099,11 @@ def _make_kernel(
             def loop_max(x):
                 """The sub-step's cross-warp max: with the value product on mma.sync, one
                 barrier (`_wg_max_open`; the `_wg_sync` before P is read orders its reads
-                before the next sub-step's writes)."""
-                if mmv and not interpret and not (fv and not vsub):  # (_fold_values reduces
-                    return _wg_max_open(x, red_s)  # through red_s before that barrier)
+                before the next sub-step's writes). Not where a reduction through red_s
+                (_fold_values) or no `_wg_sync` (the skip="values" ablation) follows it."""
+                if (mmv and not interpret and not (fv and not vsub)
+                        and tuning.skip != "values"):
+                    return _wg_max_open(x, red_s)
                 return red(x, "max")
 
             layer = meta_g[0]
