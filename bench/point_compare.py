@@ -47,11 +47,14 @@ def main():
             for var in a.variants.split(";"):
                 which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
                 flags = flags or "default"
-                da.kd = mods[which]
-                base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-                tun = base if flags == "default" else da.override(base, flags)
-                r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10)
-                da.kd = kd
+                da.kd = mods[which]  # bench_point runs the kernel of decode_attention's kd
+                try:
+                    base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
+                                               group_size=G)
+                    tun = base if flags == "default" else da.override(base, flags)
+                    r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10)
+                finally:
+                    da.kd = kd
                 print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "
                       f"| {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |", flush=True)
 
