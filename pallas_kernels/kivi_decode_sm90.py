@@ -219,6 +219,12 @@ class TuningConfig:
       max over logit + log2 s_t as fp8_values does (`val_prep`), weighs every plane's codes
       alike. Off: the run-40 fold_v (fields with their offsets, whose sum is subtracted every
       sub-step through a cross-warp reduction).
+    warp_softmax: with both products on mma.sync and the value scale folded into P
+      (subnormal_values, G = D), each warp runs its own online softmax and value product over
+      the tokens of its key rows (`_warp_softmax`): P stays in registers (`_warp_rhs`), the
+      value codes are loaded per warp (`_warp_value_codes`), and the loop has no cross-warp
+      max and no P hand-over; the warps' partial outputs are merged once per split
+      (`_scatter_add_rows`). Native only, 256-token steps.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -246,6 +252,7 @@ class TuningConfig:
     fp8_values: bool = False
     mma_sync: str = "both"
     subnormal_values: bool = True
+    warp_softmax: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -346,6 +353,18 @@ def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, inte
                 and not _folds_keys(tuning, group_size, head_dim)
                 and not _int8_keys(tuning, group_size, head_dim)
                 and not _fp8_values(tuning, group_size, head_dim))
+
+
+def _warp_softmax(tuning: TuningConfig, group_size: int, head_dim: int, interpret) -> bool:
+    """Whether each warp runs its own softmax and value product (`TuningConfig.warp_softmax`):
+    both products on mma.sync, the value scale folded into P with subnormal value fields (G =
+    D, so that a token's B column needs no per-channel scale), the widen8 key path, and one
+    compute sub-step per copy step (the per-warp code loads take static column offsets)."""
+    fv = _folds_values(tuning, group_size, head_dim) and not _fp8_values(
+        tuning, group_size, head_dim)
+    return bool(tuning.warp_softmax and tuning.mma_sync == "both" and fv
+                and tuning.subnormal_values and _uses_widen8(tuning, interpret)
+                and tuning.block_tokens <= tuning.sub_tokens)
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
@@ -825,6 +844,155 @@ def _wg_max_open(x, scratch_ref):
     return reduce(x, scratch_ref)
 
 
+# --- Per-warp softmax (`TuningConfig.warp_softmax`) -------------------------------------------
+# Each warp of a warpgroup runs its own online softmax over the tokens of its key rows (16 per
+# 64-token plane) and its own value product over those tokens: no cross-warp max and no P
+# hand-over through SMEM in the loop. Per-warp quantities live in the Mosaic layouts as arrays
+# whose warps hold different values (as `_vec_load` with G): valid under row broadcasts and
+# elementwise use only, never under a Mosaic reduction.
+
+
+def _warp_max(x):
+    """The max of x (64, N) f32 (WGMMA layout) over each warp's 16 rows -> (N,) in the
+    reduce(0) layout, a different vector per warp: three shuffles, no SMEM, no barrier. Not
+    interpretable."""
+    N = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
+    def reduce(_, xa):
+        at = _origins(xa)
+        regs = []
+        for i in range(N // 8):  # rows g and g + 8 of the thread, then the warp's 8 row pairs
+            r = arith.maximumf(at[(0, 8 * i)], at[(8, 8 * i)])
+            for dist in (4, 8, 16):
+                r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
+            regs.append(r)
+        return mgpu_fa.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(
+                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((N,))),
+            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+
+    return reduce(x)
+
+
+def _warp_rhs(p16):
+    """P (64 tokens, N) fp16 (WGMMA layout) -> each warp's own 16 tokens as mma.sync's B
+    operand (16, N) (`Layout.MMA_RHS`, a different operand per warp): each 8x8 block is
+    transposed in registers (`movmatrix`), which turns the accumulator fragment (lane (g, c):
+    token g, heads 2c, 2c + 1) into the B fragment (head g, tokens 2c, 2c + 1). No SMEM, no
+    barrier. Not interpretable."""
+    N = p16.shape[1]
+    lay = plgpu.Layout.MMA_RHS(p16.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct((16, N), p16.dtype, layout=lay))
+    def rhs(_, xa):
+        at = _origins(xa)
+        i32 = ir.IntegerType.get_signless(32)
+        new = lay.to_mgpu()
+        regs = np.empty(new.registers_shape((16, N)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            k0, n0 = new.tiling.untile_indices(i)  # tokens k0 + 2c + (0, 1), head n0 + g
+            src = at[(k0, n0)]
+            t = mgpu_utils.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+                                      mgpu_utils.bitcast(src, i32), result_types=i32)
+            regs[i] = mgpu_utils.bitcast(t, src.type)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=new, _is_signed=None)
+
+    return rhs(p16)
+
+
+def _swizzled(off, swizzle: int):
+    """Byte offset `off` (i32, within a swizzled SMEM buffer) after Mosaic's swizzle: the 16-byte
+    chunk index xored with the 128-byte row index modulo swizzle / 16."""
+    if swizzle == 16:
+        return off
+    bits = arith.andi(arith.shrui(off, _i32(7)), _i32(swizzle // 16 - 1))
+    return arith.xori(off, arith.shli(bits, _i32(4)))
+
+
+def _warp_value_codes(codes_ref, transforms, m: int, col0: int):
+    """Value code bytes as each warp's own A operand of the value product: the (64, 16) uint16
+    tile (WGMMA layout) whose warp-w rows (i, k) hold the code byte of channel 16 m + i and byte
+    column col0 + 16 w + k of `codes_ref` (D channels, X byte columns; SMEM tiling (8, sw) and
+    an sw-byte swizzle), widened to 16 bits with the *high byte undefined* (every code field
+    mask clears it, `_field_sub`). Natural column order: lane (g, c) holds columns 2c, 2c + 1
+    and 8 + 2c, 9 + 2c, which one 16-byte load per row and two byte permutes of its four words
+    give. Not interpretable."""
+    tile_w = transforms[0].tiling[1]
+    swizzle = transforms[1].swizzle
+    X = codes_ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, 16), jnp.uint16, layout=_WG))
+    def load(_, ref):
+        lane, warp = _lane_warp()
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        v4 = ir.VectorType.get((4,), i32)
+        pair_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
+        base = mgpu_utils.memref_ptr(ref)
+        g, c = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
+        col = arith.addi(_i32(col0), arith.muli(warp, _i32(16)))
+        # bytes 2c, 2c + 1 of the eight in (w0, w1) (resp. (w2, w3)) into the low bytes of two
+        # 16-bit lanes: prmt selector nibbles (2c, 2c, 2c + 1, 2c + 1)
+        c2 = arith.muli(c, _i32(2))
+        sel = arith.addi(arith.muli(c2, _i32(0x0011)), arith.muli(arith.addi(c2, _i32(1)),
+                                                                   _i32(0x1100)))
+        regs = np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape((PLANE, 16)), dtype=object)
+        at = {mgpu_fa.WGMMA_LAYOUT.tiling.untile_indices(i): i for i in np.ndindex(regs.shape)}
+        for r0 in (0, 8):
+            row = arith.addi(g, _i32(16 * m + r0))
+            # Mosaic's tiled layout: (8, tile_w) tiles, row-major over (row // 8, col // tile_w)
+            tile = arith.addi(arith.muli(arith.shrui(row, _i32(3)), _i32(X // tile_w)),
+                              arith.divui(col, _i32(tile_w)))
+            off = arith.addi(arith.addi(arith.muli(tile, _i32(8 * tile_w)),
+                                        arith.muli(g, _i32(tile_w))),
+                             arith.remui(col, _i32(tile_w)))
+            ptr = mgpu_utils.getelementptr(base, [_swizzled(off, swizzle)], i8)
+            words = llvm.load(v4, ptr, alignment=16)
+            w = [llvm.extractelement(words, _i32(k)) for k in range(4)]
+            for c0, (lo, hi) in ((0, (w[0], w[1])), (8, (w[2], w[3]))):
+                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", lo, hi, sel,
+                                          result_types=i32)
+                regs[at[(r0, c0)]] = mgpu_utils.bitcast(r, pair_ty)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=mgpu_fa.WGMMA_LAYOUT,
+                                       _is_signed=False)
+
+    return load(codes_ref)
+
+
+def _scatter_add_rows(accs, dst):
+    """dst[16 m + i, n] += accs[m][16 w + i, n] for every warp w (shared-memory reductions,
+    `red.shared.add.f32`): the per-warp value products (`_warp_value_codes`, whose warp-w rows
+    16 w + i stand for channel 16 m + i) summed over the warps into dst (D, N) f32 in SMEM
+    (untiled). The caller orders dst's initialisation before and its reads after (warpgroup
+    barriers). Not interpretable."""
+    N = dst.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(*[_WG] * len(accs), plgpu.RefType()))
+    def scatter(_, *args):
+        *xs, ref = args
+        lane, _w = _lane_warp()
+        f32 = ir.F32Type.get()
+        base = mgpu_utils.memref_ptr(ref)
+        g, c = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
+        thread = arith.addi(arith.muli(g, _i32(N)), arith.muli(c, _i32(2)))
+        for m, xa in enumerate(xs):
+            for (r0, c0), reg in _origins(xa).items():
+                if r0 >= 16:  # rows of warps 1-3 alias warp 0's (per-warp values)
+                    continue
+                for e in range(2):
+                    ptr = mgpu_utils.getelementptr(
+                        base, [arith.addi(thread, _i32((16 * m + r0) * N + c0 + e))], f32)
+                    val = vector.extract(reg, dynamic_position=[], static_position=[e])
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, val],
+                                    "red.shared::cta.relaxed.cta.add.f32 [$0], $1;", "r,f",
+                                    has_side_effects=True)
+
+    scatter(*accs, dst)
+
+
 def _mma(acc, a, b, interpret):
     """acc + a @ b on warp-level mma.sync (`plgpu.mma`): acc (64, N) f32/int32 and a (64, K)
     in the WGMMA layouts (the same registers per thread as mma.sync's fragments: the casts are
@@ -1037,6 +1205,7 @@ def _make_kernel(
     # per field against a running max over logit + log2 s_t (`val_prep`), as fp8_values does
     vsub = fv and mmv and tuning.subnormal_values
     lgmax = f8v or vsub  # the softmax's running max is over logit + log2 s_t
+    wsm = _warp_softmax(tuning, G, D, interpret) and not alt_layout and not stage_smem
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -1182,6 +1351,7 @@ def _make_kernel(
                 if not alt_layout:
                     kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                     return dict(
+                        vc=vc_s,
                         kcodes=lambda r, c: kc_s.at[pl.ds(kr + r * PLANE, PLANE),
                                                     pl.ds(c * DC, DC)],
                         kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
@@ -1512,6 +1682,8 @@ def _make_kernel(
                 if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
                     pre = val_prep(v)
                     st = [x + pre[p][0] for p, x in enumerate(st)]
+                if wsm:
+                    return warp_sub_step(v, st, pre, (m_run, l_t, accs, zaccs))
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
@@ -1621,6 +1793,37 @@ def _make_kernel(
                     accs = tuple(a + corr for a in accs)
                 return m_new, l_t, accs, zaccs
 
+            def warp_sub_step(v, st, pre, carry):
+                """The softmax update and value product of a sub-step per warp (wsm): each
+                warp's running max, sums and (D/16 channel tiles of) output cover the tokens of
+                its own key rows, 16 per plane; P goes from the score registers into the value
+                product's B operand by `_warp_rhs`, each warp loads the value code bytes of its
+                tokens for every channel (`_warp_value_codes`). No SMEM writes, no barrier."""
+                m_run, l_t, accs, (zacc,) = carry
+                tmax = st[0]
+                for x in st[1:]:
+                    tmax = jnp.maximum(tmax, x)
+                m_new = jnp.maximum(m_run, _warp_max(tmax))
+                # a warp whose tokens are all masked so far keeps m = -inf: a finite stand-in
+                # keeps the exponents at -inf (weights 0) rather than NaN
+                ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                ab = lax.broadcast_in_dim(jnp.exp2(m_run - ms), (PLANE, NP), [1])
+                bs = [jnp.exp2(x - lax.broadcast_in_dim(ms - b_shift(p), (PLANE, NP), [1]))
+                      for p, x in enumerate(st)]
+                l_t, zacc = l_t * ab, zacc * ab
+                for p, x in enumerate(bs):
+                    l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
+                accs = [a * ab for a in accs]
+                if tuning.skip != "values":
+                    rhs = [_warp_rhs(x.astype(f16)) for x in bs]
+                    for m in range(D // 16):
+                        for r in range(planes // Pv):
+                            codes = _warp_value_codes(v["vc"], vtf, m, r * PLANE)
+                            for j in range(Pv):
+                                accs[m] = _mma(accs[m], _field_sub(codes, value_bits, j),
+                                               rhs[r * Pv + j], interpret)
+                return m_new, l_t, tuple(accs), (zacc,)
+
             def _store_p(x16, idx):
                 """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
                 widen8 order when w8)."""
@@ -1652,7 +1855,7 @@ def _make_kernel(
             m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-            a0 = tuple(zero() for _ in range(mtiles))
+            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles))
             z0 = (zero(),) if fv or f8v else ()  # fv, f8v: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
@@ -1672,6 +1875,11 @@ def _make_kernel(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
                     init_carry=(m0, l0, a0, z0),
                 )(*srcs)
+            if wsm:  # the warps' partial softmax states -> the warpgroup's
+                m_all = red(lax.broadcast_in_dim(m_run, (PLANE, NP), [1]), "max")
+                fw = lax.broadcast_in_dim(
+                    jnp.exp2(m_run - jnp.where(m_all == -jnp.inf, 0.0, m_all)), (PLANE, NP), [1])
+                m_run, l_t, zaccs = m_all, l_t * fw, (zaccs[0] * fw,)
             l = red(l_t, "add")
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
@@ -1680,8 +1888,14 @@ def _make_kernel(
                 # or 2^(_VSUB_C - 24) (vsub)
                 zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
                 cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C)) if vsub else 1.0
-                accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
-            for mt in range(mtiles):
+                if wsm:  # o = sum over warps of acc * fw * cw / l, plus zs / l
+                    for mt in range(mtiles):
+                        o_s[pl.ds(mt * PLANE, PLANE), :] = zs * ib
+                    _wg_sync(interpret)
+                    _scatter_add_rows([a * (fw * (cw * ib)) for a in accs], o_s)
+                else:
+                    accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
+            for mt in range(mtiles if not wsm else 0):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
             # log2 units -> natural log
             lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))

@@ -589,6 +589,11 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
      TC(128, 6, 3, fold_k=True, wg_per_block=3)),
+    # the per-warp softmax (`_warp_softmax`, on in the defaults above at G = D) with 24 padded
+    # heads (three column tiles per warp) and four warpgroups, and switched off
+    (3, 72, 4, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, fold_k=True, wg_per_block=4)),
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False)),
 ]
 
 
