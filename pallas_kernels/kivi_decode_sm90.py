@@ -115,7 +115,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf, vector
 from jax._src.lib.mlir.dialects import math as math_dialect
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -224,7 +224,9 @@ class TuningConfig:
       the tokens of its key rows (`_warp_softmax`): P stays in registers (`_warp_rhs`), the
       value codes are loaded per warp (`_warp_value_codes`), and the loop has no cross-warp
       max and no P hand-over; the warps' partial outputs are merged once per split
-      (`_scatter_add_rows`). Native only, 256-token steps.
+      (`_merge_warp_rows`). Native only, 256-token steps.
+    lazy_rescale: with warp_softmax, rescale a warp's accumulators only when its running max
+      grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -253,6 +255,7 @@ class TuningConfig:
     mma_sync: str = "both"
     subnormal_values: bool = True
     warp_softmax: bool = True
+    lazy_rescale: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -491,6 +494,10 @@ _EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
 # P * s_t stays <= 2^14 (fp16 range) and normal down to 2^-22 (2-bit) / 2^-24 (4-bit) of it.
 _VSUB_C = 14
 _RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
+# warp_softmax: the running max may lag the true one by this much (log2 units) before the
+# accumulators are rescaled (`_lazy_rescale`); B = P * s_t * 2^(_VSUB_C - slack - bits j) then
+# stays <= 2^14 as before.
+_RESCALE_SLACK = 4.0
 
 
 def _widen_codes(x8):
@@ -962,35 +969,95 @@ def _warp_value_codes(codes_ref, transforms, m: int, col0: int):
     return load(codes_ref)
 
 
-def _scatter_add_rows(accs, dst):
-    """dst[16 m + i, n] += accs[m][16 w + i, n] for every warp w (shared-memory reductions,
-    `red.shared.add.f32`): the per-warp value products (`_warp_value_codes`, whose warp-w rows
-    16 w + i stand for channel 16 m + i) summed over the warps into dst (D, N) f32 in SMEM
-    (untiled). The caller orders dst's initialisation before and its reads after (warpgroup
-    barriers). Not interpretable."""
-    N = dst.shape[-1]
+def _lazy_rescale(m_run, mw, xs, slack: float):
+    """Per warp: the running max m_run (N,) against the sub-step's maxima mw (N,) (both per-warp
+    vectors in the reduce(0) layout). Where some lane of the warp has mw > m_run + slack, m_new
+    = max(m_run, mw) and every (64, N) array of xs (WGMMA layout, f32) is rescaled by 2^(m_run -
+    m_new); otherwise m_run and xs are returned as they are (a warp-uniform branch on a vote).
+    A max that lags the true one by at most `slack` (log2 units) leaves the softmax exact (the
+    sums and the output are all relative to the same m) and bounds the weights by 2^slack, so
+    that after the first sub-steps the rescale (one multiply per accumulator register) is
+    rarely taken (FlashAttention-4's conditional rescaling). Not interpretable."""
+    N = m_run.shape[0]
+    vec_t = plgpu.ShapeDtypeStruct((N,), jnp.float32, layout=_WG.reduce(0))
+    arr_t = [plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=_WG) for x in xs]
+
+    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0), _WG.reduce(0), *[_WG] * len(xs)),
+                       return_type=(vec_t, *arr_t))
+    def rescale(_, ma, wa, *xas):
+        i1 = ir.IntegerType.get_signless(1)
+        m_regs, w_regs = list(ma.registers.flat), list(wa.registers.flat)
+        vty = ir.VectorType(m_regs[0].type)
+        splat = lambda v: vector.broadcast(vty, mgpu_utils.c(v, ir.F32Type.get()))
+        pred = None
+        for m, w in zip(m_regs, w_regs, strict=True):
+            gt = arith.cmpf(arith.CmpFPredicate.OGT, w, arith.addf(m, splat(slack)))
+            gt = vector.reduction(i1, vector.CombiningKind.OR, gt)
+            pred = gt if pred is None else arith.ori(pred, gt)
+        take = nvvm.vote_sync(_i32(0xFFFFFFFF), pred, "any")
+        flat = [(k, i, r) for k, xa in enumerate(xas) for i, r in np.ndenumerate(xa.registers)]
+        if_op = scf.IfOp(take, [r.type for r in m_regs] + [r.type for _, _, r in flat],
+                         has_else=True)
+        with ir.InsertionPoint(if_op.then_block):
+            new_m, alpha = [], []
+            for m, w in zip(m_regs, w_regs, strict=True):
+                nm = arith.maximumf(m, w)
+                # nothing seen yet (nm = -inf): a finite stand-in keeps 2^(m - nm) at 0, not NaN
+                safe = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, nm, splat(-np.inf)),
+                                    splat(0.0), nm)
+                new_m.append(nm)
+                alpha.append(math_dialect.exp2(arith.subf(m, safe)))
+            out = []
+            for k, i, r in flat:
+                c0 = xas[k].layout.tiling.untile_indices(i)[1]
+                out.append(arith.mulf(r, alpha[c0 // 8]))
+            scf.yield_(new_m + out)
+        with ir.InsertionPoint(if_op.else_block):
+            scf.yield_(m_regs + [r for _, _, r in flat])
+        res = list(if_op.results)
+        m_out = mgpu_fa.FragmentedArray(
+            _registers=np.array(res[:len(m_regs)], dtype=object).reshape(ma.registers.shape),
+            _layout=ma.layout, _is_signed=None)
+        res = res[len(m_regs):]
+        outs = []
+        for xa in xas:
+            n = xa.registers.size
+            outs.append(mgpu_fa.FragmentedArray(
+                _registers=np.array(res[:n], dtype=object).reshape(xa.registers.shape),
+                _layout=xa.layout, _is_signed=None))
+            res = res[n:]
+        return (m_out, *outs)
+
+    m_new, *xs = rescale(m_run, mw, *xs)
+    return m_new, xs
+
+
+def _merge_warp_rows(accs, dst):
+    """dst[16 m + i, n] += accs[m][16 w + i, n] for w = 0, 1, 2, 3 in that order (one warp at a
+    time between warpgroup barriers, so that the sum is the same run to run): the per-warp
+    value products (`_warp_value_codes`: warp-w rows 16 w + i stand for channel 16 m + i)
+    summed into dst (D, N) f32 in SMEM (untiled). The caller orders dst's initialisation
+    before (a warpgroup barrier); the last barrier here orders the sums before any read. Not
+    interpretable."""
 
     @plgpu.inline_mgpu(arg_types=(*[_WG] * len(accs), plgpu.RefType()))
-    def scatter(_, *args):
+    def merge(_, *args):
         *xs, ref = args
-        lane, _w = _lane_warp()
-        f32 = ir.F32Type.get()
-        base = mgpu_utils.memref_ptr(ref)
+        lane, warp = _lane_warp()
         g, c = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
-        thread = arith.addi(arith.muli(g, _i32(N)), arith.muli(c, _i32(2)))
-        for m, xa in enumerate(xs):
-            for (r0, c0), reg in _origins(xa).items():
-                if r0 >= 16:  # rows of warps 1-3 alias warp 0's (per-warp values)
-                    continue
-                for e in range(2):
-                    ptr = mgpu_utils.getelementptr(
-                        base, [arith.addi(thread, _i32((16 * m + r0) * N + c0 + e))], f32)
-                    val = vector.extract(reg, dynamic_position=[], static_position=[e])
-                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, val],
-                                    "red.shared::cta.relaxed.cta.add.f32 [$0], $1;", "r,f",
-                                    has_side_effects=True)
+        idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        for w in range(4):
+            mine = arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w))
+            with mgpu_utils.when(mine):
+                for m, xa in enumerate(xs):
+                    for (r0, c0), reg in _origins(xa).items():
+                        at = [idx(arith.addi(g, _i32(16 * m + r0))),
+                              idx(arith.addi(arith.muli(c, _i32(2)), _i32(c0)))]
+                        old = vector.load(ir.VectorType(reg.type), ref, at)
+                        vector.store(arith.addf(old, reg), ref, at)
+            mgpu_utils.warpgroup_barrier()
 
-    scatter(*accs, dst)
+    merge(*accs, dst)
 
 
 def _mma(acc, a, b, interpret):
@@ -1206,6 +1273,7 @@ def _make_kernel(
     vsub = fv and mmv and tuning.subnormal_values
     lgmax = f8v or vsub  # the softmax's running max is over logit + log2 s_t
     wsm = _warp_softmax(tuning, G, D, interpret) and not alt_layout and not stage_smem
+    slack = _RESCALE_SLACK if wsm and tuning.lazy_rescale else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -1474,7 +1542,7 @@ def _make_kernel(
                 end) and B <= 2^shift: in e4m3, resp. fp16, range."""
                 if f8v:
                     return 8.0 - float(np.log2(_f8_field_spec(value_bits, p % Pv)[2]))
-                return float(_VSUB_C - value_bits * (p % Pv))
+                return float(_VSUB_C - slack - value_bits * (p % Pv))
 
             def val_prep(v):
                 """lgmax (logits in log2 units): per plane p, the (64, N) broadcasts of log2 s_t,
@@ -1803,18 +1871,25 @@ def _make_kernel(
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
-                m_new = jnp.maximum(m_run, _warp_max(tmax))
+                mw = _warp_max(tmax)
+                if slack:
+                    m_new, (l_t, zacc, *accs) = _lazy_rescale(m_run, mw, [l_t, zacc, *accs],
+                                                              slack)
+                else:
+                    m_new = jnp.maximum(m_run, mw)
                 # a warp whose tokens are all masked so far keeps m = -inf: a finite stand-in
                 # keeps the exponents at -inf (weights 0) rather than NaN
                 ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                ab = lax.broadcast_in_dim(jnp.exp2(m_run - ms), (PLANE, NP), [1])
+                if not slack:
+                    ab = lax.broadcast_in_dim(jnp.exp2(m_run - ms), (PLANE, NP), [1])
+                    l_t, zacc = l_t * ab, zacc * ab
+                    accs = [a * ab for a in accs]
                 bs = [jnp.exp2(x - lax.broadcast_in_dim(ms - b_shift(p), (PLANE, NP), [1]))
                       for p, x in enumerate(st)]
-                l_t, zacc = l_t * ab, zacc * ab
                 for p, x in enumerate(bs):
                     l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
-                accs = [a * ab for a in accs]
-                if tuning.skip != "values":
+                accs = list(accs)
+                if tuning.skip != "values":  # (the ablation keeps the softmax, drops P . V)
                     rhs = [_warp_rhs(x.astype(f16)) for x in bs]
                     for m in range(D // 16):
                         for r in range(planes // Pv):
@@ -1887,12 +1962,12 @@ def _make_kernel(
             if fv or f8v:  # the minimums' term; lgmax: the codes' product weighs 2^-1 (f8v)
                 # or 2^(_VSUB_C - 24) (vsub)
                 zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
-                cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C)) if vsub else 1.0
+                cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C + slack)) if vsub else 1.0
                 if wsm:  # o = sum over warps of acc * fw * cw / l, plus zs / l
                     for mt in range(mtiles):
                         o_s[pl.ds(mt * PLANE, PLANE), :] = zs * ib
                     _wg_sync(interpret)
-                    _scatter_add_rows([a * (fw * (cw * ib)) for a in accs], o_s)
+                    _merge_warp_rows([a * (fw * (cw * ib)) for a in accs], o_s)
                 else:
                     accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
             for mt in range(mtiles if not wsm else 0):
