@@ -255,7 +255,7 @@ class TuningConfig:
     mma_sync: str = "both"
     subnormal_values: bool = True
     warp_softmax: bool = True
-    lazy_rescale: bool = True
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -463,7 +463,11 @@ def choose_tuning(
         fits = [w for w in ((4, 3) if base.fold_k and group_size == 128 else (3,))
                 if size(dataclasses.replace(base, wg_per_block=w)) <= SMEM_LIMIT]
         wg_per_block = fits[0] if many and fits else 1
-    base = dataclasses.replace(base, wg_per_block=wg_per_block)
+    # the per-warp softmax where one warpgroup streams a block (4-bit G=128 at B=8 T=128k
+    # 0.334-0.338 -> 0.316-0.322 ms, run 60); with W = 4 it is slower (2-bit G=128 0.229-0.232
+    # -> 0.232-0.240 ms, runs 59-60: the 32 accumulator registers at ptxas's cap of 128)
+    base = dataclasses.replace(base, wg_per_block=wg_per_block,
+                               warp_softmax=wg_per_block == 1)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
     while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
         base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
@@ -1992,7 +1996,8 @@ def _make_kernel(
     per_wg = lambda *shape: (W, *shape) if W > 1 else shape
     scratch = {
         "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
-        "p_s": (plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
+        "p_s": (plgpu.SMEM(per_wg(8, 64), f16) if wsm else  # P stays in registers
+                plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
                            transforms=_swz(jnp.float8_e4m3fn, PLANE)) if f8v else
                 plgpu.SMEM(per_wg(planes, PLANE, NP), f16, transforms=_swz(f16, NP))
                 if tuning.p_direct else

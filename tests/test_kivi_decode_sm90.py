@@ -330,6 +330,26 @@ def test_no_auto_barriers_gating():
         assert not kd._no_auto_barriers(dataclasses.replace(W4, **flags), 128, 128, False), flags
 
 
+def test_warp_softmax_gating():
+    """The per-warp softmax needs both products on mma.sync with the value scale folded into P
+    as subnormal fields (G = D), widen8 natively and one sub-step per copy step; choose_tuning
+    takes it where one warpgroup streams a block (measured slower with four)."""
+    on = TC(fold_k=True)
+    assert kd._warp_softmax(on, 128, 128, False) and kd._warp_softmax(on, 64, 64, False)
+    assert not kd._warp_softmax(on, 32, 128, False)  # two channel groups per 64-channel tile
+    assert not kd._warp_softmax(on, 128, 128, plgpu.InterpretGPUParams())
+    assert not kd._warp_softmax(TC(512, fold_k=True), 128, 128, False)  # two sub-steps a step
+    for flags in (dict(warp_softmax=False), dict(mma_sync="keys"), dict(mma_sync="values"),
+                  dict(subnormal_values=False), dict(fold_v=False), dict(fp8_values=True),
+                  dict(widen8=False)):
+        assert not kd._warp_softmax(dataclasses.replace(on, **flags), 128, 128, False), flags
+    big = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
+    assert big.wg_per_block == 4 and not big.warp_softmax
+    for kb, B, T in ((4, 8, 131072), (2, 1, 8192)):
+        tun = kd.choose_tuning(B, 8, T, key_bits=kb, value_bits=kb, group_size=128)
+        assert tun.wg_per_block == 1 and tun.warp_softmax, (kb, B, T)
+
+
 def test_key_fold_gating():
     """fold_k: with the key product on wgmma the key scale folds into q through SMEM where a
     256-token sub-step holds at most two groups; on mma.sync it folds in registers at every G.
@@ -589,9 +609,12 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
      TC(128, 6, 3, fold_k=True, wg_per_block=3)),
-    # the per-warp softmax (`_warp_softmax`, on in the defaults above at G = D) with 24 padded
-    # heads (three column tiles per warp) and four warpgroups, and switched off
-    (3, 72, 4, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, fold_k=True, wg_per_block=4)),
+    # the per-warp softmax (`_warp_softmax`; also in the defaults of cases 0, 2 and 4 and with
+    # the TC configurations at G = D above) with 24 padded heads (three column tiles per warp)
+    # and three warpgroups; with the conditional rescale (4-bit; D = 64); and switched off
+    (3, 72, 4, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, lazy_rescale=True)),
+    (2, 16, 16, 64, 4096, 2, 2, 64, jnp.bfloat16, TC(256, 3, 2, fold_k=True, lazy_rescale=True)),
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False)),
 ]
