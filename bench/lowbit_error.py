@@ -37,7 +37,8 @@ VARIANTS = {  # TuningConfig fields over choose_tuning's (products on mma.sync s
     "fold_k (mma.sync)": dict(fold_k=True),
     "fold_k + fp8_values": dict(fold_k=True, fp8_values=True, mma_sync="keys"),
     "no fold_k (mma.sync)": dict(fold_k=False),
-    "no subnormal values": dict(subnormal_values=False)}
+    "no subnormal values": dict(subnormal_values=False),
+    "no warp_softmax": dict(warp_softmax=False)}
 
 
 def dense_attention(q, k, v, lengths):
