@@ -463,11 +463,7 @@ def choose_tuning(
         fits = [w for w in ((4, 3) if base.fold_k and group_size == 128 else (3,))
                 if size(dataclasses.replace(base, wg_per_block=w)) <= SMEM_LIMIT]
         wg_per_block = fits[0] if many and fits else 1
-    # the per-warp softmax where one warpgroup streams a block (4-bit G=128 at B=8 T=128k
-    # 0.334-0.338 -> 0.316-0.322 ms, run 60); with W = 4 it is slower (2-bit G=128 0.229-0.232
-    # -> 0.232-0.240 ms, runs 59-60: the 32 accumulator registers at ptxas's cap of 128)
-    base = dataclasses.replace(base, wg_per_block=wg_per_block,
-                               warp_softmax=wg_per_block == 1)
+    base = dataclasses.replace(base, wg_per_block=wg_per_block)
     floor = max(_min_block(key_bits, value_bits), group_size, 128)
     while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
         base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
@@ -484,7 +480,13 @@ def choose_tuning(
     best = min(costs.values())
     # Among near-ties prefer more splits: more blocks hide the tail of the last wave better.
     S = max(S for S, c in costs.items() if c <= 1.02 * best)
-    return dataclasses.replace(base, num_splits=S)
+    # The per-warp softmax where one warpgroup streams a block over enough steps to repay its
+    # epilogue (the warps' merge): 4-bit G=128 at B=8 T=128k, 64 steps per split, 0.317-0.338
+    # -> 0.299-0.322 ms (runs 59-61, in one process each); 8 steps even; 1-4 steps 3-14% slower
+    # (B=1 T=8k/32k, run 65). With W = 4 it is slower (2-bit G=128 at the anchor 0.229-0.232 ->
+    # 0.232-0.240 ms, runs 59-60: 32 accumulator registers under ptxas's cap of 128).
+    wsm = wg_per_block == 1 and -(-steps // S) >= _WSM_MIN_STEPS
+    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm)
 
 
 def _swz(dtype, minor_elems):
@@ -502,6 +504,7 @@ _RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
 # accumulators are rescaled (`_lazy_rescale`); B = P * s_t * 2^(_VSUB_C - slack - bits j) then
 # stays <= 2^14 as before.
 _RESCALE_SLACK = 4.0
+_WSM_MIN_STEPS = 16  # choose_tuning: the per-warp softmax from this many steps per split
 
 
 def _widen_codes(x8):

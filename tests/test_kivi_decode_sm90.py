@@ -333,7 +333,8 @@ def test_no_auto_barriers_gating():
 def test_warp_softmax_gating():
     """The per-warp softmax needs both products on mma.sync with the value scale folded into P
     as subnormal fields (G = D), widen8 natively and one sub-step per copy step; choose_tuning
-    takes it where one warpgroup streams a block (measured slower with four)."""
+    takes it where one warpgroup streams a block over at least 16 steps (measured slower with
+    four warpgroups, and over a few steps per split)."""
     on = TC(fold_k=True)
     assert kd._warp_softmax(on, 128, 128, False) and kd._warp_softmax(on, 64, 64, False)
     assert not kd._warp_softmax(on, 32, 128, False)  # two channel groups per 64-channel tile
@@ -345,9 +346,12 @@ def test_warp_softmax_gating():
         assert not kd._warp_softmax(dataclasses.replace(on, **flags), 128, 128, False), flags
     big = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     assert big.wg_per_block == 4 and not big.warp_softmax
-    for kb, B, T in ((4, 8, 131072), (2, 1, 8192)):
+    for kb, B, T, on in ((4, 8, 131072, True), (2, 1, 131072, True), (2, 1, 8192, False),
+                         (4, 1, 32768, False)):
         tun = kd.choose_tuning(B, 8, T, key_bits=kb, value_bits=kb, group_size=128)
-        assert tun.wg_per_block == 1 and tun.warp_softmax, (kb, B, T)
+        steps = -(-T // tun.block_tokens // tun.num_splits)
+        assert tun.wg_per_block == 1 and tun.warp_softmax == on, (kb, B, T, steps)
+        assert (steps >= kd._WSM_MIN_STEPS) == on
 
 
 def test_key_fold_gating():
