@@ -40,6 +40,14 @@ barriers (`_no_auto_barriers`), so a step's six TMA copies share one; the ragged
 runs only on a row's last sub-step; P is transposed in registers (`movmatrix`) and stored as
 32-bit words (`_store_p_perm`).
 
+The per-warp softmax (`TuningConfig.warp_softmax`, runs 59-65; `choose_tuning` takes it in
+one-warpgroup blocks over 16 or more steps per split: 4-bit G=128 at B=8 T=128k 3-6% faster):
+each warp keeps the online softmax of its own key rows (16 tokens per plane: `_warp_max`, three
+shuffles) and computes the value product over those tokens for all D channels, P going from
+the score registers into mma.sync's B operand by `movmatrix` (`_warp_rhs`) and the value code
+bytes of its tokens loaded per warp (`_warp_value_codes`): no cross-warp hand-over in the loop.
+The warps' partial outputs are merged once per split, in a fixed order (`_merge_warp_rows`).
+
 Dequantization is elementwise in fp16 registers, right before the wgmma that consumes the tile:
 the code bytes of a (64, X) tile are loaded from SMEM (swizzled by the TMA) in the 8-bit WGMMA
 fragment layout and widened by one `prmt` per fp16 pair that also sets the five exponent bits
