@@ -232,7 +232,9 @@ class TuningConfig:
       the tokens of its key rows (`_warp_softmax`): P stays in registers (`_warp_rhs`), the
       value codes are loaded per warp (`_warp_value_codes`), and the loop has no cross-warp
       max and no P hand-over; the warps' partial outputs are merged once per split
-      (`_merge_warp_rows`). Native only, 256-token steps.
+      (`_merge_warp_rows`). Native only, 256-token steps. `choose_tuning` turns it off with
+      several warpgroups per block and below 16 steps per split (measured slower there, runs
+      59-65).
     lazy_rescale: with warp_softmax, rescale a warp's accumulators only when its running max
       grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
