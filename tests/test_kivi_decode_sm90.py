@@ -253,12 +253,19 @@ FLAG_CASES = [
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.float16, (512, 130), 1,
      TC(256, 2, 2, fold_k=True, subnormal_values=False)),
     (1, 4, 2, 64, 512, 2, 4, 64, jnp.bfloat16, (450,), 0, TC(256, 2, 2, subnormal_values=False)),
+    # warp_softmax (native only: the interpreter takes the shared softmax) with the conditional
+    # rescale and three warpgroups, and switched off at G = D
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, lazy_rescale=True)),
+    (1, 4, 2, 64, 512, 2, 2, 64, jnp.bfloat16, (450,), 0,
+     TC(256, 2, 2, fold_k=True, warp_softmax=False)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
             f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
-            f"-vsub{int(c[-1].subnormal_values)}"
+            f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
+            f"-lazy{int(c[-1].lazy_rescale)}"
             for c in FLAG_CASES]
 
 
