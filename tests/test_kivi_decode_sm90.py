@@ -620,8 +620,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
      TC(128, 6, 3, fold_k=True, wg_per_block=3)),
-    # the per-warp softmax (`_warp_softmax`; also in the defaults of cases 0, 2 and 4 and with
-    # the TC configurations at G = D above) with 24 padded heads (three column tiles per warp)
+    # the per-warp softmax (`_warp_softmax`; also in the TC configurations at G = D above, where
+    # TuningConfig's default turns it on) with 24 padded heads (three column tiles per warp)
     # and three warpgroups; with the conditional rescale (4-bit; D = 64); and switched off
     (3, 72, 4, 128, 8192, 2, 2, 128, jnp.float16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, lazy_rescale=True)),
