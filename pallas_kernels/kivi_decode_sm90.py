@@ -662,6 +662,16 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
     return load(rows_ref)
 
 
+def _transpose8x8(reg):
+    """`movmatrix`: the warp's 8x8 matrix of 16-bit elements held one register per lane (lane
+    (g, c): row g, columns 2c, 2c + 1) transposed in registers (lane (g, c): row g of the
+    transpose). `reg`: a 2 x 16-bit vector; returns the same type."""
+    i32 = ir.IntegerType.get_signless(32)
+    t = mgpu_utils.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+                              mgpu_utils.bitcast(reg, i32), result_types=i32)
+    return mgpu_utils.bitcast(t, reg.type)
+
+
 def _store_p_perm(p16, dst, col0: int = 0):
     """Stores P (64 tokens, N) fp16 (WGMMA layout) as columns [col0, col0 + 64) of the wgmma B
     operand dst [N, X] (tiling (8, 64), 128-byte swizzle) with the tokens in the `_PERM16`
@@ -687,9 +697,7 @@ def _store_p_perm(p16, dst, col0: int = 0):
         half = arith.muli(arith.shrui(c, _i32(1)), _i32(4))  # bytes of 2 (c // 2) fp16
         for idx in np.ndindex(x.registers.shape):
             i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
-            t = mgpu_utils.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-                                      mgpu_utils.bitcast(x.registers[idx], i32),
-                                      result_types=i32)
+            t = mgpu_utils.bitcast(_transpose8x8(x.registers[idx]), i32)
             tile = i * ctiles + col0 // PLANE
             off = arith.addi(arith.addi(row, half), _i32(tile * 1024 + 8 * h))
             llvm.store(t, mgpu_utils.getelementptr(base, [off], i8))
@@ -830,6 +838,16 @@ def _wg_reduce(x, kind: str, scratch_ref):
     return reduce(x, scratch_ref)
 
 
+def _warp_col_max(at, i: int):
+    """Columns 8i + 2c, 8i + 2c + 1 (lane (g, c)) of a (64, N) WGMMA-layout f32 array, given by
+    its `_origins`, maximized over the warp's 16 rows: the thread's two rows, then three
+    shuffles across the warp's eight row pairs."""
+    r = arith.maximumf(at[(0, 8 * i)], at[(8, 8 * i)])
+    for dist in (4, 8, 16):
+        r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
+    return r
+
+
 def _wg_max_open(x, scratch_ref):
     """The row max of x (64, N) f32 (WGMMA layout) -> (N,) in the reduce(0) layout, as
     `_wg_reduce(x, "max", ...)` but with one warpgroup barrier instead of two: each warp's
@@ -849,11 +867,8 @@ def _wg_max_open(x, scratch_ref):
         vty = ir.VectorType(at[(0, 0)].type)
         idx = lambda w, i: arith.index_cast(ir.IndexType.get(), arith.addi(
             arith.addi(arith.muli(w, _i32(N)), _i32(8 * i)), c2))
-        for i in range(N // 8):  # rows g and g + 8 of the thread, then the warp's 8 row pairs
-            r = arith.maximumf(at[(0, 8 * i)], at[(8, 8 * i)])
-            for dist in (4, 8, 16):
-                r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
-            vector.store(r, ref, [idx(warp, i)])
+        for i in range(N // 8):
+            vector.store(_warp_col_max(at, i), ref, [idx(warp, i)])
         mgpu_utils.warpgroup_barrier()
         regs = []
         for i in range(N // 8):
@@ -885,13 +900,7 @@ def _warp_max(x):
     @plgpu.inline_mgpu(arg_types=(_WG,),
                        return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
     def reduce(_, xa):
-        at = _origins(xa)
-        regs = []
-        for i in range(N // 8):  # rows g and g + 8 of the thread, then the warp's 8 row pairs
-            r = arith.maximumf(at[(0, 8 * i)], at[(8, 8 * i)])
-            for dist in (4, 8, 16):
-                r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
-            regs.append(r)
+        regs = [_warp_col_max(_origins(xa), i) for i in range(N // 8)]
         return mgpu_fa.FragmentedArray(
             _registers=np.array(regs, dtype=object).reshape(
                 mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((N,))),
@@ -913,15 +922,11 @@ def _warp_rhs(p16):
                        return_type=plgpu.ShapeDtypeStruct((16, N), p16.dtype, layout=lay))
     def rhs(_, xa):
         at = _origins(xa)
-        i32 = ir.IntegerType.get_signless(32)
         new = lay.to_mgpu()
         regs = np.empty(new.registers_shape((16, N)), dtype=object)
         for i in np.ndindex(regs.shape):
             k0, n0 = new.tiling.untile_indices(i)  # tokens k0 + 2c + (0, 1), head n0 + g
-            src = at[(k0, n0)]
-            t = mgpu_utils.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-                                      mgpu_utils.bitcast(src, i32), result_types=i32)
-            regs[i] = mgpu_utils.bitcast(t, src.type)
+            regs[i] = _transpose8x8(at[(k0, n0)])
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=new, _is_signed=None)
 
     return rhs(p16)
