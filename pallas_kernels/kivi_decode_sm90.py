@@ -35,8 +35,11 @@ every plane's codes alike. The magic-number fields below remain for wgmma and th
 
 Around the products (runs 52-55; 2-bit G=128 0.249 -> 0.231 ms): a 256-token sub-step passes
 two warpgroup barriers, the cross-warp max's (`_wg_max_open`) and the one before P is read
-(`_wg_sync`); with several warpgroups per block the kernel is compiled without Mosaic's auto
-barriers (`_no_auto_barriers`), so a step's six TMA copies share one; the ragged-length mask
+(`_wg_sync`); the kernel streams its blocks through its own pipeline (`_pipeline`) compiled
+without Mosaic's auto barriers (`_no_auto_barriers`), so a step's six TMA copies share one
+barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 2.5-6% at the
+anchor's 2-bit and 4-bit launches; with four warpgroups the slots go back to that warp through
+an mbarrier, `release_slots`); the ragged-length mask
 runs only on a row's last sub-step; P is transposed in registers (`movmatrix`) and stored as
 32-bit words (`_store_p_perm`).
 
@@ -237,6 +240,17 @@ class TuningConfig:
       59-65).
     lazy_rescale: with warp_softmax, rescale a warp's accumulators only when its running max
       grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way.
+    copy_warp: one warp of each warpgroup issues its TMA copies (`_pipeline`'s one_warp)
+      instead of all four; one-warpgroup blocks then take the kernel's own pipeline, compiled
+      without auto barriers where `_no_auto_barriers` allows, in place of plgpu.emit_pipeline
+      (run 68: 2-bit G=128 with four warpgroups 2.5-4% faster, G=32 with three even to 1%;
+      run 72, one warpgroup: 4-bit G=128 at B=8 T=128k 2.5-6%, B=1 T=128k 4-10%, B=1 T=8k
+      even). Native only.
+    release_slots: with copy_warp in a kernel without auto barriers, a slot is handed back to
+      the issuing warp by an mbarrier every thread arrives on (only that warp waits) instead
+      of a warpgroup barrier before the step's copies (`choose_tuning` takes it with four
+      warpgroups per block: run 69, 1-2.5% faster; with three even to 2.5% slower). Native
+      only.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -266,6 +280,8 @@ class TuningConfig:
     subnormal_values: bool = True
     warp_softmax: bool = True
     lazy_rescale: bool = False
+    copy_warp: bool = True
+    release_slots: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -351,8 +367,9 @@ def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, inte
                       stage_smem: bool = False) -> bool:
     """Whether the kernel is compiled without Mosaic's auto barriers (one before every TMA
     copy, two around every SMEM store through a ref; `CompilerParams.unsafe_no_auto_barriers`):
-    where every cross-warp hand-over in the loop has a barrier of its own. That is several
-    warpgroups per block (`_pipeline`: one barrier before a step's copies) with both products
+    where every cross-warp hand-over in the loop has a barrier of its own. That is the
+    kernel's own pipeline (`_pipeline`: one barrier before a step's copies; several warpgroups
+    per block, or one with copy_warp, instead of `plgpu.emit_pipeline`) with both products
     on mma.sync, P stored by `_store_p_perm` (widen8) and no reduction between the loop max and
     `_wg_sync` (the loop max's barrier orders a sub-step's reads of P and of the reduction
     scratch before the next sub-step's writes; `_wg_sync` the writes of P before its reads);
@@ -360,7 +377,8 @@ def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, inte
     int8/fp8 or SMEM-staged paths, whose stores through refs rely on the auto barriers."""
     fv = _folds_values(tuning, group_size, head_dim) and not _fp8_values(
         tuning, group_size, head_dim)
-    return bool(tuning.wg_per_block > 1 and tuning.mma_sync == "both" and not stage_smem
+    return bool((tuning.wg_per_block > 1 or tuning.copy_warp) and tuning.mma_sync == "both"
+                and not stage_smem
                 and _uses_widen8(tuning, interpret)
                 and (tuning.subnormal_values or not fv)
                 and not _folds_keys(tuning, group_size, head_dim)
@@ -496,7 +514,11 @@ def choose_tuning(
     # (B=1 T=8k/32k, run 65). With W = 4 it is slower (2-bit G=128 at the anchor 0.229-0.232 ->
     # 0.232-0.240 ms, runs 59-60: 32 accumulator registers under ptxas's cap of 128).
     wsm = wg_per_block == 1 and -(-steps // S) >= _WSM_MIN_STEPS
-    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm)
+    # Slots handed back through an mbarrier with four warpgroups (2-bit G=128 at the anchor
+    # 0.2258 -> 0.2200-0.2230 ms, B=32 T=32k 0.2238-0.2255 -> 0.2209-0.2229; run 69); with
+    # three (2-bit G=32) even to 2.5% slower.
+    release = wg_per_block == 4
+    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release)
 
 
 def _swz(dtype, minor_elems):
@@ -1208,21 +1230,43 @@ def _wg_sync(interpret):
 
 
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
-              sync: bool = False):
-    """`plgpu.emit_pipeline` for one warpgroup of a block of several, each with its own
-    buffers: steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
+              sync: bool = False, one_warp: bool = False, empty=None, issuer=None):
+    """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
+    own buffers): steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
     *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step, ordered
     after every warp's reads by a warpgroup barrier: each copy's own (Mosaic's auto barriers),
     or, with `sync` (a kernel compiled without auto barriers), one before all of the step's
-    copies (run 54: the six barriers and the code between them were 9% of the stalls)."""
-    def fetch(i, slot, first=False):
-        if sync and not first:
-            _wg_sync(False)
+    copies (run 54: the six barriers and the code between them were 9% of the stalls).
+    one_warp: the copies are issued by one warp of the warpgroup (warp `issuer`, by default
+    wg % 4, so that the block's W issuing warps sit on different schedulers) instead of by all
+    four: in the
+    warpgroup semantics every warp computes the copies' coordinates and every thread arrives
+    on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync): barriers
+    [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it has read
+    the slot, and only the issuing warp waits there before refilling it, in place of the
+    warpgroup barrier (`TuningConfig.release_slots`)."""
+    def copies(i, slot):
         for spec, src, buf in zip(specs, srcs, bufs, strict=True):
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
                                                           strict=True))
             plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
+
+    release = empty is not None and one_warp and sync
+
+    def fetch(i, slot, first=False):
+        if sync and not first and not release:
+            _wg_sync(False)
+        if one_warp:
+            def issue():
+                if release and not first:  # every warp has read the slot
+                    plgpu.barrier_wait(empty.at[wg * stages + slot])
+                copies(i, slot)
+            # warp semantics: the issuing warp's 32 threads arrive for all 128
+            who = lax.rem(wg, 4) if issuer is None else issuer
+            plgpu.warp_map(lambda w: pl.when(w == who)(issue))
+        else:
+            copies(i, slot)
 
     for k in range(stages):
         pl.when(k < nsteps)(functools.partial(fetch, k, k, True))
@@ -1231,6 +1275,8 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(barrier.at[wg * stages + slot])
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
+        if release:
+            plgpu.barrier_arrive(empty.at[wg * stages + slot])
         pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot))
         return carry
 
@@ -1316,6 +1362,7 @@ def _make_kernel(
     W = tuning.wg_per_block
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
     no_auto = _no_auto_barriers(tuning, G, D, interpret, stage_smem)
+    own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1963,10 +2010,15 @@ def _make_kernel(
                                      transforms=tf)
                      for shape, _, tf, axis in pipe_blocks]
             srcs = [x.at[layer, b, h] for x in gmem]
-            if W > 1:
+            if own_pipe:
+                # one-warpgroup blocks: the issuing warp from the block index, so that the
+                # blocks an SM holds tend to issue from different schedulers
+                who = None if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
                 m_run, l_t, accs, zaccs = _pipeline(
                     step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
-                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto)
+                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
+                    one_warp=tuning.copy_warp and not interpret, empty=sc.get("empty_bar"),
+                    issuer=who)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -2047,10 +2099,12 @@ def _make_kernel(
     if f8v:  # the interpreter's SMEM-staged e4m3 A operand (a placeholder natively)
         scratch["vd8_s"] = plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64),
                                       jnp.float8_e4m3fn, transforms=_swz(jnp.float8_e4m3fn, 64))
-    if W > 1:  # the pipeline's buffers and barriers, the reductions' scratch, per warpgroup
+    if own_pipe:  # the pipeline's buffers and barriers, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
         scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
+        if tuning.release_slots and tuning.copy_warp and no_auto and not interpret:
+            scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(_RED_SCRATCH), jnp.float32)
     scratch_names = list(scratch)

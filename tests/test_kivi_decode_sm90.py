@@ -259,13 +259,16 @@ FLAG_CASES = [
      TC(256, 2, 2, fold_k=True, wg_per_block=3, lazy_rescale=True)),
     (1, 4, 2, 64, 512, 2, 2, 64, jnp.bfloat16, (450,), 0,
      TC(256, 2, 2, fold_k=True, warp_softmax=False)),
+    # copy_warp with release_slots (native only: cross-lowered here, run on the GPU)
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=4, release_slots=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
             f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
             f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
-            f"-lazy{int(c[-1].lazy_rescale)}"
+            f"-lazy{int(c[-1].lazy_rescale)}-cw{int(c[-1].copy_warp)}{int(c[-1].release_slots)}"
             for c in FLAG_CASES]
 
 
@@ -322,15 +325,18 @@ def test_value_fold_gating():
 
 def test_no_auto_barriers_gating():
     """Mosaic's auto barriers go only where every cross-warp hand-over of the loop has its own
-    barrier: several warpgroups per block, both products on mma.sync, P through widen8's store,
-    natively; never with the SMEM-staged, wgmma, int8 or fp8 paths or the run-40 value fold."""
+    barrier: the kernel's own pipeline (several warpgroups per block, or one with copy_warp),
+    both products on mma.sync, P through widen8's store, natively; never with
+    plgpu.emit_pipeline, the SMEM-staged, wgmma, int8 or fp8 paths or the run-40 value fold."""
     W4 = TC(fold_k=True, wg_per_block=4)
     assert kd._no_auto_barriers(W4, 128, 128, False)
     assert kd._no_auto_barriers(W4, 32, 128, False)  # keys fold, values dequantized
     assert kd._no_auto_barriers(TC(wg_per_block=3), 128, 128, False)
     assert not kd._no_auto_barriers(W4, 128, 128, plgpu.InterpretGPUParams())
     assert not kd._no_auto_barriers(W4, 128, 128, False, stage_smem=True)
-    assert not kd._no_auto_barriers(TC(fold_k=True), 128, 128, False)  # one warpgroup
+    assert kd._no_auto_barriers(TC(fold_k=True), 128, 128, False)  # one warpgroup, copy_warp
+    # one warpgroup through plgpu.emit_pipeline, which relies on the auto barriers
+    assert not kd._no_auto_barriers(TC(fold_k=True, copy_warp=False), 128, 128, False)
     for flags in (dict(mma_sync="keys"), dict(mma_sync=""), dict(int8_keys=True),
                   dict(fp8_values=True), dict(subnormal_values=False), dict(widen8=False),
                   dict(fold_k=True, mma_sync="values")):
@@ -353,6 +359,11 @@ def test_warp_softmax_gating():
         assert not kd._warp_softmax(dataclasses.replace(on, **flags), 128, 128, False), flags
     big = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     assert big.wg_per_block == 4 and not big.warp_softmax
+    # one warp issues the copies wherever warpgroups share a block; the slots go back through
+    # an mbarrier with four of them (measured even to slower with three)
+    assert big.copy_warp and big.release_slots
+    g32 = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=32)
+    assert g32.wg_per_block == 3 and g32.copy_warp and not g32.release_slots
     for kb, B, T, on in ((4, 8, 131072, True), (2, 1, 131072, True), (2, 1, 8192, False),
                          (4, 1, 32768, False)):
         tun = kd.choose_tuning(B, 8, T, key_bits=kb, value_bits=kb, group_size=128)
@@ -628,6 +639,15 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 16, 16, 64, 4096, 2, 2, 64, jnp.bfloat16, TC(256, 3, 2, fold_k=True, lazy_rescale=True)),
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False)),
+    # the copies issued by one warp per warpgroup (`copy_warp`, the default: the cases with
+    # several warpgroups above), here with the slots released through an mbarrier
+    # (`release_slots`) at four warpgroups and at 4 bits with three stages; and switched off
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
+     TC(128, 6, 3, fold_k=True, wg_per_block=3, release_slots=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, copy_warp=False)),
 ]
 
 
