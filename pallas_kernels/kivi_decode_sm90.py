@@ -1240,9 +1240,8 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     copies (run 54: the six barriers and the code between them were 9% of the stalls).
     one_warp: the copies are issued by one warp of the warpgroup (warp `issuer`, by default
     wg % 4, so that the block's W issuing warps sit on different schedulers) instead of by all
-    four: in the
-    warpgroup semantics every warp computes the copies' coordinates and every thread arrives
-    on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync): barriers
+    four: in the warpgroup semantics every warp computes the copies' coordinates and every
+    thread arrives on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync): barriers
     [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it has read
     the slot, and only the issuing warp waits there before refilling it, in place of the
     warpgroup barrier (`TuningConfig.release_slots`)."""
