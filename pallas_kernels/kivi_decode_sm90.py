@@ -37,7 +37,7 @@ Around the products (runs 52-55; 2-bit G=128 0.249 -> 0.231 ms): a 256-token sub
 two warpgroup barriers, the cross-warp max's (`_wg_max_open`) and the one before P is read
 (`_wg_sync`); the kernel streams its blocks through its own pipeline (`_pipeline`) compiled
 without Mosaic's auto barriers (`_no_auto_barriers`), so a step's six TMA copies share one
-barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 2.5-6% at the
+barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 1-6% at the
 anchor's 2-bit and 4-bit launches; with four warpgroups the slots go back to that warp through
 an mbarrier, `release_slots`); the ragged-length mask
 runs only on a row's last sub-step; P is transposed in registers (`movmatrix`) and stored as
@@ -1241,10 +1241,10 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     one_warp: the copies are issued by one warp of the warpgroup (warp `issuer`, by default
     wg % 4, so that the block's W issuing warps sit on different schedulers) instead of by all
     four: in the warpgroup semantics every warp computes the copies' coordinates and every
-    thread arrives on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync): barriers
-    [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it has read
-    the slot, and only the issuing warp waits there before refilling it, in place of the
-    warpgroup barrier (`TuningConfig.release_slots`)."""
+    thread arrives on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync):
+    barriers [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it
+    has read the slot, and only the issuing warp waits there before refilling it, in place of
+    the warpgroup barrier (`TuningConfig.release_slots`)."""
     def copies(i, slot):
         for spec, src, buf in zip(specs, srcs, bufs, strict=True):
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
