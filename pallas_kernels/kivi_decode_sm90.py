@@ -1251,7 +1251,7 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
                                                           strict=True))
             plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
 
-    release = empty is not None and one_warp and sync
+    release = empty is not None  # the caller passes it only with one_warp and sync
 
     def fetch(i, slot, first=False):
         if sync and not first and not release:
@@ -1362,6 +1362,8 @@ def _make_kernel(
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
     no_auto = _no_auto_barriers(tuning, G, D, interpret, stage_smem)
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
+    one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
+    release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -2016,7 +2018,7 @@ def _make_kernel(
                 m_run, l_t, accs, zaccs = _pipeline(
                     step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
-                    one_warp=tuning.copy_warp and not interpret, empty=sc.get("empty_bar"),
+                    one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=who)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
@@ -2102,7 +2104,7 @@ def _make_kernel(
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
         scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
-        if tuning.release_slots and tuning.copy_warp and no_auto and not interpret:
+        if release:
             scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(_RED_SCRATCH), jnp.float32)
