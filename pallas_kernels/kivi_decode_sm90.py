@@ -159,7 +159,10 @@ class TuningConfig:
     p_concat: transpose the P tiles of all planes of a sub-step in one store.
     skip: benchmark-only ablation: "" for the real kernel, "compute" keeps only the load
       pipeline, "values" drops the value product, "loads" computes every step on one of the
-      split's first two blocks (the copies then hit L2: the compute floor).
+      split's first two blocks (the copies then hit L2: the compute floor), "copies" (the
+      kernel's own pipeline only) computes every step on the slots the prologue filled,
+      without copies or barrier waits in the loop (the compute floor without the copies'
+      issue).
     fold_k: fold the key scale into q per token group. With the key product on mma.sync
       (`_folds_keys_mma`, any G; `choose_tuning` turns it on there): code fields as fp16
       subnormals, B = fp16(q * s_g) per register, q . z_g by mma.sync (`kfold_scores`; run
@@ -251,6 +254,10 @@ class TuningConfig:
       of a warpgroup barrier before the step's copies (`choose_tuning` takes it with four
       warpgroups per block: run 69, 1-2.5% faster; with three even to 2.5% slower). Native
       only.
+    spread_copies: with copy_warp, a step's copies are dealt over the warpgroup's four warps
+      (copy j from warp (issuer + j) % 4) instead of all issued by one: the warps meet at
+      barriers every step, so the issuing warp's extra work (each copy's coordinates in
+      uniform registers, its arrival) lengthens every warp's step. Native only.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -282,6 +289,7 @@ class TuningConfig:
     lazy_rescale: bool = False
     copy_warp: bool = True
     release_slots: bool = False
+    spread_copies: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -302,9 +310,9 @@ class TuningConfig:
         if self.mma_sync not in ("", "keys", "values", "both"):
             raise ValueError(
                 f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
-        if self.skip not in ("", "compute", "values", "loads"):
+        if self.skip not in ("", "compute", "values", "loads", "copies"):
             raise ValueError(
-                f"skip must be '', 'compute', 'values' or 'loads', got {self.skip!r}")
+                f"skip must be '', 'compute', 'values', 'loads' or 'copies', got {self.skip!r}")
 
 
 def _uses_widen8(tuning: TuningConfig, interpret) -> bool:
@@ -1230,7 +1238,8 @@ def _wg_sync(interpret):
 
 
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
-              sync: bool = False, one_warp: bool = False, empty=None, issuer=None):
+              sync: bool = False, one_warp: bool = False, empty=None, issuer=None,
+              spread: bool = False, no_copies: bool = False):
     """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
     own buffers): steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
@@ -1244,9 +1253,13 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     thread arrives on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync):
     barriers [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it
     has read the slot, and only the issuing warp waits there before refilling it, in place of
-    the warpgroup barrier (`TuningConfig.release_slots`)."""
-    def copies(i, slot):
-        for spec, src, buf in zip(specs, srcs, bufs, strict=True):
+    the warpgroup barrier (`TuningConfig.release_slots`). spread (with one_warp): copy j
+    from warp (issuer + j) % 4, so that no warp computes more than two copies' coordinates
+    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`)."""
+    def copies(i, slot, which=None):
+        for j, (spec, src, buf) in enumerate(zip(specs, srcs, bufs, strict=True)):
+            if which is not None and j not in which:
+                continue
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
                                                           strict=True))
             plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
@@ -1257,13 +1270,20 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
         if sync and not first and not release:
             _wg_sync(False)
         if one_warp:
-            def issue():
+            def issue(which=None):
                 if release and not first:  # every warp has read the slot
                     plgpu.barrier_wait(empty.at[wg * stages + slot])
-                copies(i, slot)
+                copies(i, slot, which)
             # warp semantics: the issuing warp's 32 threads arrive for all 128
             who = lax.rem(wg, 4) if issuer is None else issuer
-            plgpu.warp_map(lambda w: pl.when(w == who)(issue))
+            if spread:  # copy j from warp (who + j) % 4
+                def per_warp(w):
+                    for k in range(min(4, len(specs))):
+                        which = tuple(range(k, len(specs), 4))
+                        pl.when(w == lax.rem(who + k, 4))(functools.partial(issue, which))
+                plgpu.warp_map(per_warp)
+            else:
+                plgpu.warp_map(lambda w: pl.when(w == who)(issue))
         else:
             copies(i, slot)
 
@@ -1272,6 +1292,9 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
 
     def body(i, carry):
         slot = lax.rem(i, stages)
+        if no_copies:  # the prologue's copies, then none: compute on the filled slots
+            pl.when(i < stages)(lambda: plgpu.barrier_wait(barrier.at[wg * stages + slot]))
+            return step((i,), *[buf.at[slot] for buf in bufs], carry)
         plgpu.barrier_wait(barrier.at[wg * stages + slot])
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
         if release:
@@ -2019,7 +2042,8 @@ def _make_kernel(
                     step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
-                    issuer=who)
+                    issuer=who, spread=tuning.spread_copies,
+                    no_copies=tuning.skip == "copies")
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -2202,6 +2226,21 @@ def merge_partials(o_parts, lse_parts):
 )
 def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale,
                  tuning, interpret, stage_smem, alt_layout=False):
+    kern, args, nq = _kernel_call(
+        q, cache, num_tokens, layer, key_bits=key_bits, value_bits=value_bits,
+        group_size=group_size, sm_scale=sm_scale, tuning=tuning, interpret=interpret,
+        stage_smem=stage_smem, alt_layout=alt_layout)
+    o_parts, lse_parts = kern(*args)
+    o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
+    B, Hq, D = q.shape
+    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+
+
+def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale,
+                 tuning, interpret, stage_smem, alt_layout=False):
+    """The kernel of `_kivi_decode` and its operands: (kern, args, query heads per kv head);
+    kern(*args) -> (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge
+    (bench/overhead.py times it alone)."""
     if alt_layout:  # benchmark-only layout experiment; shapes as in `to_alt_layout`
         B, Hq, D = q.shape
         L, _, Hkv, rows, _ = cache[0].shape
@@ -2239,9 +2278,7 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
-    o_parts, lse_parts = kern(meta, qf, *extra, *cache)
-    o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
-    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+    return kern, (meta, qf, *extra, *cache), nq
 
 
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):

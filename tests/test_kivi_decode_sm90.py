@@ -648,6 +648,13 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(128, 6, 3, fold_k=True, wg_per_block=3, release_slots=True)),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, copy_warp=False)),
+    # the copies dealt over the warpgroup's warps (`spread_copies`): four warpgroups with the
+    # slots released through an mbarrier, three at G = 32, one (the kernel's own pipeline)
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, spread_copies=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True, spread_copies=True)),
 ]
 
 
