@@ -162,7 +162,8 @@ class TuningConfig:
       split's first two blocks (the copies then hit L2: the compute floor), "copies" (the
       kernel's own pipeline only) computes every step on the slots the prologue filled,
       without copies or barrier waits in the loop (the compute floor without the copies'
-      issue).
+      issue), "groups" (fold_k on mma.sync) scales every plane of a step by its first
+      plane's key vectors (the per-group work of one group per step: wrong numbers, its cost).
     fold_k: fold the key scale into q per token group. With the key product on mma.sync
       (`_folds_keys_mma`, any G; `choose_tuning` turns it on there): code fields as fp16
       subnormals, B = fp16(q * s_g) per register, q . z_g by mma.sync (`kfold_scores`; run
@@ -258,6 +259,13 @@ class TuningConfig:
       (copy j from warp (issuer + j) % 4) instead of all issued by one: the warps meet at
       barriers every step, so the issuing warp's extra work (each copy's coordinates in
       uniform registers, its arrival) lengthens every warp's step. Native only.
+    bias_rows: with fold_k on mma.sync (widen8, native), q . z_g of all of a sub-step's key
+      groups from one mma.sync whose A rows are the groups' minimums, each thread loading only
+      its own row (`_group_rows`), and each plane's bias shuffled from the lanes holding its
+      group's row (`_group_bias`), instead of two minimum vectors and an mma.sync per two
+      groups (`_rows_of`).
+    vec64: the key scale and minimum vectors of fold_k loaded two registers per 64-bit load
+      (`_pairs64`) instead of one per 32-bit load.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -290,6 +298,8 @@ class TuningConfig:
     copy_warp: bool = True
     release_slots: bool = False
     spread_copies: bool = False
+    bias_rows: bool = False
+    vec64: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -310,9 +320,9 @@ class TuningConfig:
         if self.mma_sync not in ("", "keys", "values", "both"):
             raise ValueError(
                 f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
-        if self.skip not in ("", "compute", "values", "loads", "copies"):
-            raise ValueError(
-                f"skip must be '', 'compute', 'values', 'loads' or 'copies', got {self.skip!r}")
+        if self.skip not in ("", "compute", "values", "loads", "copies", "groups"):
+            raise ValueError(f"skip must be '', 'compute', 'values', 'loads', 'copies' or "
+                             f"'groups', got {self.skip!r}")
 
 
 def _uses_widen8(tuning: TuningConfig, interpret) -> bool:
@@ -526,7 +536,12 @@ def choose_tuning(
     # 0.2258 -> 0.2200-0.2230 ms, B=32 T=32k 0.2238-0.2255 -> 0.2209-0.2229; run 69); with
     # three (2-bit G=32) even to 2.5% slower.
     release = wg_per_block == 4
-    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release)
+    # With three, the copies dealt over the warps instead (2-bit G=32 at the anchor, four A/B
+    # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
+    # with four even, with release_slots slower; with one even).
+    spread = wg_per_block == 3
+    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
+                               spread_copies=spread)
 
 
 def _swz(dtype, minor_elems):
@@ -657,13 +672,25 @@ def _widen8(codes_ref, transforms, exponent: bool = True):
     return widen(codes_ref)
 
 
-def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
+def _pairs64(ref, idx):
+    """The four fp16 elements at `idx` (the last index a multiple of 4: 8-byte aligned) of an
+    SMEM ref as two 2-element registers, from one 64-bit load: in the `_PERM16` order a
+    thread's register pair (positions 2c, 2c + 1 and 8 + 2c, 9 + 2c of a 16-block) is the
+    four consecutive elements 4c .. 4c + 3."""
+    dt = ir.MemRefType(ref.type).element_type
+    quad = vector.load(ir.VectorType.get((4,), dt), ref, idx, alignment=8)
+    pair = ir.VectorType.get((2,), dt)
+    return tuple(vector.extract_strided_slice(pair, quad, [o], [2], [1]) for o in (0, 2))
+
+
+def _vec_load(rows_ref, *, G: int = 0, perm: bool = False, wide: bool = False):
     """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
 
     rows_ref: (X,) or, with G, the (64 // G, X) vectors of the tile's groups: warp w then loads
     the row of the group its 16 tile rows lie in ((16 w) // G), so the warps hold different
     vectors (valid only under a row broadcast and elementwise use: `_group_vecs`). perm: in the
-    `_PERM16` order of the widen8 path. Not interpretable (inline Mosaic GPU).
+    `_PERM16` order of the widen8 path; wide (with perm): two registers per 64-bit load
+    (`_pairs64`) instead of one per 32-bit load. Not interpretable (inline Mosaic GPU).
     """
     X = rows_ref.shape[-1]
 
@@ -680,10 +707,14 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False):
                                                         optimized=False)
         k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
         pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         regs = []
-        for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
+        if wide:
+            for i in range(0, X // 8, 2):
+                regs.extend(_pairs64(ref, [ix(arith.addi(k4, _i32(8 * i)))]))
+        for i in range(0 if wide else X // 8):  # register i: positions 8i + 2k + (0, 1)
             col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
-            regs.append(vector.load(pair_ty, ref, [arith.index_cast(ir.IndexType.get(), col)]))
+            regs.append(vector.load(pair_ty, ref, [ix(col)]))
         return mgpu_fa.FragmentedArray(
             _registers=np.array(regs, dtype=object).reshape(
                 mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
@@ -1216,6 +1247,80 @@ def _row_half(x, h: int):
     return pick(x)
 
 
+def _group_rows(rows_ref):
+    """The (64, X) fp16 A operand (WGMMA layout, columns in the `_PERM16` order) whose rows
+    16 w + r of every warp are row r of rows_ref (n, X) for r < n <= 16 (rows past n: a copy of
+    row n - 1 up to row 7, zeros from row 8): one mma.sync against it gives every row's
+    product with B, and lane (g, c) loads only its own row g (and g + 8): X / 16 64-bit loads
+    (`_pairs64`) for all n rows, where `_rows_of` takes two vectors of X / 8 registers each
+    per two rows. Not interpretable."""
+    n, X = rows_ref.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), rows_ref.dtype, layout=_WG))
+    def rows(_, ref):
+        lane, _ = _lane_warp()
+        g = arith.shrui(lane, _i32(2))
+        k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        dt = ir.MemRefType(ref.type).element_type
+        zero = vector.broadcast(ir.VectorType.get((2,), dt), arith.constant(dt, 0.0))
+        lay = mgpu_fa.WGMMA_LAYOUT
+        regs = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
+        at = {}
+        for half in range(2):  # rows g, g + 8
+            if 8 * half >= n:
+                continue
+            row = ix(arith.minui(arith.addi(g, _i32(8 * half)), _i32(n - 1)))
+            for k in range(X // 16):
+                lo, hi = _pairs64(ref, [row, ix(arith.addi(k4, _i32(16 * k)))])
+                at[8 * half, 16 * k], at[8 * half, 16 * k + 8] = lo, hi
+        for i in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            regs[i] = at.get((r0 % 16, c0), zero)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
+
+    return rows(rows_ref)
+
+
+def _group_bias(c, base: int, G: int):
+    """c (64, N) f32 (WGMMA layout): the product of `_group_rows`' rows with B (row r of every
+    warp: group r of the sub-step). Returns the (64, N) broadcast, over each warp's rows, of row
+    base + (16 w) // G (the group of warp w's rows in a plane whose first group is `base`):
+    the row is held by lanes 4 r + c, so two shuffles per register pair. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct(c.shape, c.dtype, layout=_WG))
+    def pick(_, xa):
+        lane, warp = _lane_warp()
+        at = _origins(xa)
+        r = _i32(base % 8)
+        if G < 64:  # a plane's 64 rows hold several groups: the warps' lie in different ones
+            r = arith.addi(r, arith.divui(arith.muli(warp, _i32(16)), _i32(G)))
+        assert base % 8 + 48 // G < 8  # the row stays in the same register half
+        src = arith.addi(arith.muli(r, _i32(4)), arith.andi(lane, _i32(3)))
+        i32 = ir.IntegerType.get_signless(32)
+        regs = np.empty_like(xa.registers)
+        got = {}
+        for i in np.ndindex(regs.shape):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            if c0 not in got:
+                x = at[(8 * (base // 8), c0)]
+                words = mgpu_utils.bitcast(x, ir.VectorType.get((2,), i32))
+                y = llvm.mlir_undef(words.type)
+                for e in range(2):
+                    w = vector.extract(words, dynamic_position=[],
+                                       static_position=ir.DenseI64ArrayAttr.get([e]))
+                    w = nvvm.shfl_sync(_i32(0xFFFFFFFF), w, src, _i32(0x1F), nvvm.ShflKind.idx)
+                    y = vector.insert(w, y, dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([e]))
+                got[c0] = mgpu_utils.bitcast(y, x.type)
+            regs[i] = got[c0]
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout, _is_signed=None)
+
+    return pick(c)
+
+
 def _mma_rhs(ref, interpret):
     """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
     if interpret:
@@ -1387,6 +1492,9 @@ def _make_kernel(
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
+    # kfold: the key minimums' bias of all of a sub-step's groups from one mma.sync
+    rows_bias = (tuning.bias_rows and kfold and w8 and not interpret and NGS <= 16
+                 and tuning.skip != "groups")
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1691,21 +1799,30 @@ def _make_kernel(
                     return out
                 vecs, codes, bqs = {}, {}, {}
 
+                wide = w8 and tuning.vec64
+
                 def vec(which, p):
                     """The scale or minimum of plane p's group(s): per warp below G = 64."""
                     g = p * PLANE // G
                     if (which, g) not in vecs:
-                        vecs[which, g] = (_vec_load(v[which](g), perm=w8) if G >= PLANE else
-                                          _vec_load(v[which](g, PLANE // G), G=G, perm=w8))
+                        vecs[which, g] = (
+                            _vec_load(v[which](g), perm=w8, wide=wide) if G >= PLANE else
+                            _vec_load(v[which](g, PLANE // G), G=G, perm=w8, wide=wide))
                     return vecs[which, g]
 
                 # one key per distinct group vector (G = 128: two planes share one), paired
                 # for the bias products
                 key = [p * PLANE // G if G > PLANE else p for p in range(planes)]
+                if tuning.skip == "groups":  # ablation: every plane on the first's vectors
+                    key = [0] * planes
                 uniq = list(dict.fromkeys(key))
                 first = {k: key.index(k) for k in uniq}
                 bias = {}
-                for i in range(0, len(uniq), 2):
+                if rows_bias:  # every group's q . z_g from one product (`_group_rows`)
+                    c = _mma(zero, _group_rows(v["kmin"](0, NGS)), q, interpret)
+                    for k in uniq:
+                        bias[k] = _group_bias(c, first[k] * PLANE // G, G)
+                for i in range(0, 0 if rows_bias else len(uniq), 2):
                     ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
                     c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])), q,
                              interpret)
