@@ -39,7 +39,8 @@ two warpgroup barriers, the cross-warp max's (`_wg_max_open`) and the one before
 without Mosaic's auto barriers (`_no_auto_barriers`), so a step's six TMA copies share one
 barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 1-6% at the
 anchor's 2-bit and 4-bit launches; with four warpgroups the slots go back to that warp through
-an mbarrier, `release_slots`); the ragged-length mask
+an mbarrier, `release_slots`; with three the copies are dealt over the four warps,
+`spread_copies`, runs 73-76: 1-2%); the ragged-length mask
 runs only on a row's last sub-step; P is transposed in registers (`movmatrix`) and stored as
 32-bit words (`_store_p_perm`).
 
