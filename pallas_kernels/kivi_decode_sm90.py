@@ -710,12 +710,13 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False, wide: bool = False):
         pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
         ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         regs = []
-        if wide:
-            for i in range(0, X // 8, 2):
-                regs.extend(_pairs64(ref, [ix(arith.addi(k4, _i32(8 * i)))]))
-        for i in range(0 if wide else X // 8):  # register i: positions 8i + 2k + (0, 1)
-            col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
-            regs.append(vector.load(pair_ty, ref, [ix(col)]))
+        if wide:  # registers 2j, 2j + 1: positions 16j + 4k .. 16j + 4k + 3
+            for j in range(X // 16):
+                regs.extend(_pairs64(ref, [ix(arith.addi(k4, _i32(16 * j)))]))
+        else:
+            for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
+                col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
+                regs.append(vector.load(pair_ty, ref, [ix(col)]))
         return mgpu_fa.FragmentedArray(
             _registers=np.array(regs, dtype=object).reshape(
                 mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
@@ -1250,8 +1251,9 @@ def _row_half(x, h: int):
 
 def _group_rows(rows_ref):
     """The (64, X) fp16 A operand (WGMMA layout, columns in the `_PERM16` order) whose rows
-    16 w + r of every warp are row r of rows_ref (n, X) for r < n <= 16 (rows past n: a copy of
-    row n - 1 up to row 7, zeros from row 8): one mma.sync against it gives every row's
+    16 w + r of every warp are row r of rows_ref (n, X) for r < n <= 16 (rows r >= n: a copy of
+    row n - 1 where a load serves them, r < 8 or n > 8, else zeros; their products are not
+    read): one mma.sync against it gives every row's
     product with B, and lane (g, c) loads only its own row g (and g + 8): X / 16 64-bit loads
     (`_pairs64`) for all n rows, where `_rows_of` takes two vectors of X / 8 registers each
     per two rows. Not interpretable."""
@@ -1823,11 +1825,12 @@ def _make_kernel(
                     c = _mma(zero, _group_rows(v["kmin"](0, NGS)), q, interpret)
                     for k in uniq:
                         bias[k] = _group_bias(c, first[k] * PLANE // G, G)
-                for i in range(0, 0 if rows_bias else len(uniq), 2):
-                    ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
-                    c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])), q,
-                             interpret)
-                    bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                else:
+                    for i in range(0, len(uniq), 2):
+                        ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
+                        c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])),
+                                 q, interpret)
+                        bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
                 out = []
                 for p in range(planes):
                     r, k = p // Pk, key[p]
