@@ -1,7 +1,6 @@
-"""The load pipeline alone for candidate cache layouts: how fast four warpgroups per SM stream a
-2-bit G=128 cache through the kernel's own pipeline (`_pipeline`: one warp issues, slots
-released through an mbarrier, two stages) when a 256-token step is one, two, four or six
-copies.
+"""The load pipeline alone for candidate cache layouts: how fast the kernel's own pipeline
+(`_pipeline`: one warp issues, the copies only, no compute) streams a KIVI cache when a
+256-token step is six, four or one copies.
 
     PYTHONPATH=. python3 bench/page_probe.py --kbg 2:128,2:32,4:128
 
@@ -10,7 +9,8 @@ release_slots) for the bits and group size. Per 256-token step at 2-bit G=128 (1
 KiB): K codes 8 KiB, V codes 8 KiB, the key scale and minimum 1 KiB, the value scale and
 minimum 1 KiB. Layouts (`layouts`):
 
-- `documented`: docs/layout.md until run 75: six copies, V codes [D, Tq/Pv] (rows of 64 bytes);
+- `documented`: docs/layout.md (the cache's layout): six copies, V codes [D, Tq/Pv] (rows
+  of 64 bytes);
 - `vblock`: V codes in blocks of 64 Pv tokens [Tq/(64 Pv), D, 64], scales as documented;
 - `vblock+stacked`: and scale, minimum stacked on a leading axis: four copies;
 - `alt`: and scale, minimum adjacent per group / step (`to_alt_layout`): four copies;
