@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore
-from kivi_jax.quant import unpack
+from kivi_jax.quant import to_cache_order, unpack_tokens
 
 IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp")
 
@@ -120,7 +120,7 @@ def quantized_region_folded(
         raise NotImplementedError("the folded form needs KIVI axes (channel keys, token values)")
     nb, nh, r, d = qg.shape
     tq, g = keys.capacity, keys.group_size
-    kc = unpack(keys.codes[layer], keys.bits, axis=-2, plane=64).astype(jnp.float32)
+    kc = unpack_tokens(keys.codes[layer], keys.bits, axis=-2).astype(jnp.float32)
     ks = keys.scale[layer].astype(jnp.float32)  # [B, H, Tq/G, D]
     kz = keys.minimum[layer].astype(jnp.float32)
     qs = qg[:, :, :, None, :] * ks[:, :, None]  # [B, H, r, Tq/G, D]
@@ -132,9 +132,10 @@ def quantized_region_folded(
     s = jnp.where((jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None], s, -jnp.inf)
 
     vg = values.group_size
-    vc = unpack(values.codes[layer], values.bits, axis=-1, plane=64).astype(jnp.float32)
-    vs = values.scale[layer].astype(jnp.float32)  # [B, H, D/G, Tq]
-    vz = values.minimum[layer].astype(jnp.float32)
+    vc = unpack_tokens(values.codes[layer], values.bits, axis=-1).astype(jnp.float32)
+    # per-token scales are held in the cache order (docs/layout.md): back to token order
+    vs = to_cache_order(values.scale[layer].astype(jnp.float32), -1)  # [B, H, D/G, Tq]
+    vz = to_cache_order(values.minimum[layer].astype(jnp.float32), -1)
 
     def pv(p):  # p [B, H, r, Tq]
         ps = p[:, :, :, None, :] * vs[:, :, None]  # [B, H, r, D/G, Tq]

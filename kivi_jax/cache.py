@@ -28,10 +28,17 @@ from jax import Array
 from jax.experimental import checkify
 
 from kivi_jax.config import KiviConfig
-from kivi_jax.quant import CACHE_PLANE, codes_per_byte, minmax_quantize, pack
+from kivi_jax.quant import (
+    CACHE_PLANE,
+    cache_slot,
+    codes_per_byte,
+    minmax_quantize,
+    pack_tokens,
+    to_cache_order,
+)
 
 static = dict(static=True)
-BLOCK_TOKENS = 256  # quantized capacity is a multiple of this (a 2-bit packed block)
+BLOCK_TOKENS = 256  # quantized capacity is a multiple of this (a block of the cache order)
 
 
 class CacheBytes(NamedTuple):
@@ -69,10 +76,12 @@ def _check_dims(name: str, x, want: tuple, dtype_kind="floating") -> None:
 
 
 def token_rows(t: Array, bits: int) -> tuple[Array, Array]:
-    """Byte row and bit shift of token positions t in a token-planar packed axis."""
+    """Byte row and bit shift of token positions t in the cache's packed token axis (in the
+    cache order, `kivi_jax.quant.cache_slot`, token-planar)."""
     per = codes_per_byte(bits)
-    row = (t // (CACHE_PLANE * per)) * CACHE_PLANE + t % CACHE_PLANE
-    shift = (bits * ((t // CACHE_PLANE) % per)).astype(jnp.uint8)
+    s = cache_slot(t)
+    row = (s // (CACHE_PLANE * per)) * CACHE_PLANE + s % CACHE_PLANE
+    shift = (bits * ((s // CACHE_PLANE) % per)).astype(jnp.uint8)
     return row, shift
 
 
@@ -279,7 +288,8 @@ class QuantizedStore:
         row = jnp.where(valid, row, oob)
         vals = codes.reshape(*lead, nh, d) << shift[..., None, None]
         store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
-        idx = jnp.where(valid, pos, self.scale.shape[-1])
+        # per-token scales sit in the cache order too (the kernel loads a plane's as one row)
+        idx = jnp.where(valid, cache_slot(pos), self.scale.shape[-1])
         return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
 
     def prefill(self, x: Array, lengths: Array) -> QuantizedStore:
@@ -309,15 +319,16 @@ class QuantizedStore:
                 scale_dtype=self.scale.dtype,
             )
             scale, mn = (
-                jnp.where(keep[..., None], a[..., 0], 0).swapaxes(-1, -2) for a in (scale, mn)
+                to_cache_order(jnp.where(keep[..., None], a[..., 0], 0).swapaxes(-1, -2), -1)
+                for a in (scale, mn)
             )
             codes = codes.reshape(nl, nb, nh, s_pad, d)
         codes = jnp.where(keep[..., None], codes, 0).astype(jnp.uint8)
         if self.transposed:
-            packed = pack(codes.swapaxes(-1, -2), self.bits, axis=-1, plane=CACHE_PLANE)
+            packed = pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1)
             new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-1]].set(packed)
         else:
-            packed = pack(codes, self.bits, axis=-2, plane=CACHE_PLANE)
+            packed = pack_tokens(codes, self.bits, axis=-2)
             new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-2], :].set(packed)
         if self.axis == "channel":
             new_scale = jnp.zeros_like(self.scale).at[..., : s_pad // g, :].set(scale)
@@ -363,7 +374,8 @@ class QuantizedStore:
             sc, mn = (a[layer, b, :, tc // g, :] for a in (self.scale, self.minimum))
         else:
             sc, mn = (
-                jnp.repeat(a[layer, b, :, :, tc], g, axis=-1) for a in (self.scale, self.minimum)
+                jnp.repeat(a[layer, b, :, :, cache_slot(tc)], g, axis=-1)
+                for a in (self.scale, self.minimum)
             )
         deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
         nq = self.num_quantized(lengths)[:, None]

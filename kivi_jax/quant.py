@@ -9,9 +9,14 @@ length p: element i of that axis goes to
 
 So a block of P * p consecutive elements fills p bytes; byte r of the block holds elements
 r, r + p, ..., r + (P - 1) p. With p = 1 this is ordinary little-endian packing (KIVI's own
-int32 packing, but in bytes). The KV cache uses p = 64 along the token axis ("token-planar"):
-a 64-token plane sits in one bit field of 64 consecutive byte rows, so a kernel unpacks plane j
-of a (64, D) tile with one shift and mask and feeds it to a wgmma with the 64 tokens on M.
+int32 packing, but in bytes).
+
+The KV cache packs its token axis with p = 64 ("token-planar": a 64-token plane sits in one bit
+field of 64 consecutive byte rows, 64 rows on a tensor-core M tile) after putting the tokens in
+the *cache order* (`cache_slot`): within each block of 256 tokens, token 64a + 16b + c (a, b <
+4, c < 16) sits in slot 64b + 16a + c. A kernel's warp that holds rows 16a .. 16a + 15 of every
+plane of a block then holds the 64 consecutive tokens 64a .. 64a + 63, one key group (G >= 64)
+or two (G = 32) instead of one per plane (`pack_tokens`, `unpack_tokens`; docs/layout.md).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from kivi_jax.config import SUPPORTED_BITS, KiviConfig
 
 CACHE_PLANE = 64  # tokens per plane in the KV cache (= wgmma M tile)
+CACHE_BLOCK = 256  # tokens per block of the cache order (four planes)
 
 
 def codes_per_byte(bits: int) -> int:
@@ -73,6 +80,34 @@ def unpack(packed: Array, bits: int, *, axis: int = -1, plane: int = 1) -> Array
     shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(per, 1)
     c = (p >> shifts) & jnp.uint8((1 << bits) - 1)
     return jnp.moveaxis(c.reshape(*packed.shape[:-1], m * per), -1, axis)
+
+
+def cache_slot(t):
+    """The slot of token t in the KV cache's token order, and the token in slot t (the map is
+    its own inverse): within each block of 256, token 64a + 16b + c <-> slot 64b + 16a + c
+    (a, b < 4, c < 16). Works on Python ints and integer arrays."""
+    return t - t % 256 + 64 * (t // 16 % 4) + 16 * (t // 64 % 4) + t % 16
+
+
+def to_cache_order(x, axis: int):
+    """x with its token `axis` (a multiple of 256 long) in the cache order: slot i holds token
+    `cache_slot(i)`. Its own inverse: applied to a slot-ordered axis it gives the tokens back."""
+    x = jnp.asarray(x)
+    n = x.shape[axis]
+    if n % CACHE_BLOCK:
+        raise ValueError(f"a cache token axis must be a multiple of {CACHE_BLOCK} long, got {n}")
+    return jnp.take(x, cache_slot(np.arange(n)), axis=axis)
+
+
+def pack_tokens(codes: Array, bits: int, *, axis: int) -> Array:
+    """Codes [..., T, ...] (T % 256 == 0, tokens in order along `axis`) packed as the KV cache
+    holds them: in the cache order, token-planar with 64-token planes (module doc)."""
+    return pack(to_cache_order(codes, axis), bits, axis=axis, plane=CACHE_PLANE)
+
+
+def unpack_tokens(packed: Array, bits: int, *, axis: int) -> Array:
+    """Inverse of `pack_tokens`: uint8 codes with the tokens in order along `axis`."""
+    return to_cache_order(unpack(packed, bits, axis=axis, plane=CACHE_PLANE), axis)
 
 
 def _round_toward(x: Array, dtype, direction: float) -> Array:

@@ -18,7 +18,7 @@ about half the SM time of wgmma with A in registers (~20 clocks per m64n8k16 wha
 19-21): 2-bit G=128 at B=8 T=128k 0.350 -> 0.281 ms. The A tiles are built in the WGMMA
 register fragment, which holds the same elements per thread as mma.sync's (`_as_mma_lhs`
 relabels the registers); B (q, or P after a warpgroup barrier) is loaded from SMEM into
-registers. wgmma remains for the 8-bit products (int8/fp8 mma.sync gain no K per clock over
+registers. wgmma remains for the 8-bit value product (fp8 mma.sync gains no K per clock over
 fp16 mma.sync, while 8-bit wgmma doubles K) and with `mma_sync=""`; the text below says wgmma
 for both.
 
@@ -85,14 +85,6 @@ stay below 65504 (fp16 operand). `kivi_decode_reference` computes the same funct
 the folded form (scales into q / p, minimums as biases), so kernel and twin are two different
 factorizations of one formula.
 
-int8 key product (`int8_keys`, opt-in, G = D = 128; docs/performance.md runs 21-22): the
-key code field is the s8 A operand as it sits in the code bytes (`_s8_field`), B = q * s_g
-rounded to int8 per group and head in the sub-step (`_int8_prep_native`), so the key product
-takes half the wgmmas (K = 32) and no dequantization; the scores are the int32 accumulator
-times max_c |q * s_g| / 127 over the field weight, plus q . z_g. Faster (2-bit G=128 0.343 ->
-0.328 ms) but q * s_g keeps ~7 bits, worse with key outlier channels: the twin models it
-(`kivi_decode_reference(..., int8_keys=True)`).
-
 fp8 value product (`fp8_values`, opt-in, G = D; docs/performance.md runs 24-30): the value code
 field masked in place is an e4m3 subnormal (byte b <= 15 reads as b * 2^-9), so A takes one
 `and` per four codes and no offset; B = e4m3(P * s_t * 256 / w), kept <= 256 by taking the
@@ -101,8 +93,9 @@ wgmma accumulates with ~14 significant bits, so each sub-step's product goes int
 accumulators, added in f32. The twin models the rounding against the kernel's own running max
 (`kivi_decode_reference(..., fp8_values=True, tuning=...)`). With the keys exact on mma.sync
 this is `kivi_decode(..., low_precision=True)` (2-bit G=128 0.260 ms, 4-bit 0.310 ms at B=8
-T=128k, run 40: faster than int8 and fp8 products both on wgmma, 0.270 / 0.325 ms, and without
-int8_keys' error).
+T=128k, run 40: faster than int8 and fp8 products both on wgmma, 0.270 / 0.325 ms). The int8
+key product (runs 21-28) was removed in stop 19: the cache order puts two key groups in a
+64-row plane at G = 128, which one wgmma B operand per group cannot serve.
 
 Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) units in one
 block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
@@ -127,7 +120,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf, vector
+from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax._src.lib.mlir.dialects import math as math_dialect
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -135,6 +128,10 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 PLANE = 64  # tokens per packed plane = wgmma M tile (docs/layout.md)
+# Tokens per block of the cache order (kivi_jax.quant.cache_slot): slot 64 p + 16 w + c of a
+# block holds token 64 w + 16 p + c, so warp w's rows of the block's four planes are its 64
+# consecutive tokens 64 w .. 64 w + 63. Steps and sub-steps are whole blocks.
+_CACHE_BLOCK = 256
 SUPPORTED_BITS = (2, 4)
 SUPPORTED_GROUPS = (32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -149,7 +146,7 @@ _MMA_DTYPE = jnp.float16  # fp16 wgmma operands: 3 more mantissa bits than bf16 
 class TuningConfig:
     """Static launch parameters of `kivi_decode`.
 
-    block_tokens: tokens per TMA copy step (a multiple of 64 * codes-per-byte of K and V and
+    block_tokens: tokens per TMA copy step (a multiple of 256, a block of the cache order, and
       of G); steps above 256 tokens are computed in 256-token sub-steps.
     num_splits: thread blocks per (b, h) along the token axis (flash-decoding).
     stages: TMA steps in flight.
@@ -165,17 +162,14 @@ class TuningConfig:
       without copies or barrier waits in the loop (the compute floor without the copies'
       issue), "groups" (fold_k on mma.sync) scales every plane of a step by its first
       plane's key vectors (the per-group work of one group per step: wrong numbers, its cost).
-    fold_k: fold the key scale into q per token group. With the key product on mma.sync
-      (`_folds_keys_mma`, any G; `choose_tuning` turns it on there): code fields as fp16
-      subnormals, B = fp16(q * s_g) per register, q . z_g by mma.sync (`kfold_scores`; run
-      46: 2-bit G=128 0.286 -> 0.264 ms, 4-bit 0.357 -> 0.340, G=32 even). With the key
-      product on wgmma (`_folds_keys`, G >= 128, at most two groups per 256-token sub-step;
-      opt-in, ignored otherwise): B = fp16(q * s_g) per group through SMEM (`fold_prep`), key
-      code fields enter wgmma with their offset (one and per element pair), and q . z_g -
-      offset_j * sum_c fp16(q * s_g)_c is added to the scores of plane j: correct on the H200
-      but slower there (run 14, B=8, T=128k: 2-bit G=128 0.349 -> 0.400 ms, 4-bit 0.380 ->
-      0.426; ptxas at the 255-register cap). Either way |q * sm_scale * log2(e) * s_g| must
-      stay below 65504 (an fp16 operand).
+    fold_k: fold the key scale into q per token group, with the key product on mma.sync
+      (`_folds_keys_mma`, any G; `choose_tuning` turns it on there; ignored with the keys on
+      wgmma): code fields as fp16 subnormals, B = fp16(q * s_g) per register and warp (each
+      warp's rows of a 256-token block lie in one group, G >= 64, or two, G = 32: the cache
+      order), q . z_g by mma.sync (`kfold_scores`; run 46: 2-bit G=128 0.286 -> 0.264 ms,
+      4-bit 0.357 -> 0.340, G=32 even). |q * sm_scale * log2(e) * s_g| must stay below 65504
+      (an fp16 operand). (The wgmma variant through SMEM, slower in run 14, was removed in stop
+      19 with the cache order: a 64-row plane then spans two groups at G = 128.)
     reload_codes: load each code byte tile from SMEM for every plane that uses it instead of
       keeping it in registers across the 8/bits planes it holds (fewer live registers, more
       SMEM loads).
@@ -202,12 +196,6 @@ class TuningConfig:
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
       SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
-    int8_keys: the key product on int8 tensor cores (wgmma K = 32: half the key wgmmas of fp16)
-      at G = D = 128, opt-in: A = the key code fields as s8 straight from the code bytes (one
-      and per four elements, no widening), B = q * s_g rounded to int8 per group and head
-      (scale max_c |q * s_g| / 127, `int8_prep`), scores = int32 accumulator * scale / field
-      weight + q . z_g. Costs precision: q * s_g carries ~7 bits (see docs/performance.md; the
-      twin models it with `int8_keys=True`). Replaces fold_k where both are set.
     fp8_values: the value product on fp8 tensor cores (wgmma K = 32: half the value wgmmas) at
       G = D, opt-in: A = the value code field as an e4m3 *subnormal* straight from the code
       bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
@@ -260,11 +248,6 @@ class TuningConfig:
       (copy j from warp (issuer + j) % 4) instead of all issued by one: the warps meet at
       barriers every step, so the issuing warp's extra work (each copy's coordinates in
       uniform registers, its arrival) lengthens every warp's step. Native only.
-    bias_rows: with fold_k on mma.sync (widen8, native), q . z_g of all of a sub-step's key
-      groups from one mma.sync whose A rows are the groups' minimums, each thread loading only
-      its own row (`_group_rows`), and each plane's bias shuffled from the lanes holding its
-      group's row (`_group_bias`), instead of two minimum vectors and an mma.sync per two
-      groups (`_rows_of`).
     vec64: the key scale and minimum vectors of fold_k loaded two registers per 64-bit load
       (`_pairs64`) instead of one per 32-bit load.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
@@ -290,7 +273,6 @@ class TuningConfig:
     warp_groups: bool = True
     widen8: bool = True
     wg_per_block: int = 1
-    int8_keys: bool = False
     fp8_values: bool = False
     mma_sync: str = "both"
     subnormal_values: bool = True
@@ -299,7 +281,6 @@ class TuningConfig:
     copy_warp: bool = True
     release_slots: bool = False
     spread_copies: bool = False
-    bias_rows: bool = False
     vec64: bool = False
 
     def __post_init__(self):
@@ -307,9 +288,9 @@ class TuningConfig:
             raise ValueError(f"k_chunks must be 1 or 2, got {self.k_chunks}")
         if self.sub_tokens not in (256, 512):
             raise ValueError(f"sub_tokens must be 256 or 512, got {self.sub_tokens}")
-        if self.block_tokens <= 0 or self.block_tokens % 128:
-            raise ValueError(
-                f"block_tokens must be a positive multiple of 128, got {self.block_tokens}")
+        if self.block_tokens <= 0 or self.block_tokens % _CACHE_BLOCK:
+            raise ValueError(f"block_tokens must be a positive multiple of {_CACHE_BLOCK} (a "
+                             f"block of the cache order), got {self.block_tokens}")
         if self.block_tokens > 1024:
             raise ValueError(f"block_tokens must be <= 1024, got {self.block_tokens}")
         if self.num_splits < 1:
@@ -345,12 +326,6 @@ def _folds_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
                 and not tuning.p_concat)
 
 
-def _int8_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
-    """Whether the key product runs on int8 tensor cores (`TuningConfig.int8_keys`): one group
-    per two planes at most (G = 128) and 128-byte rows of the int8 q * s_g operand (D = 128)."""
-    return bool(tuning.int8_keys and group_size >= 128 and head_dim == 128)
-
-
 def _fp8_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
     """Whether the value product runs on fp8 tensor cores (`TuningConfig.fp8_values`): one
     channel group per token (G = D, the value scale then folds into B per token) and P stored
@@ -359,27 +334,17 @@ def _fp8_values(tuning: TuningConfig, group_size: int, head_dim: int) -> bool:
                 and not tuning.p_concat)
 
 
-def _folds_keys(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
-    """Whether the key scale is folded into q through SMEM for a wgmma key product
-    (`TuningConfig.fold_k` with the keys not on mma.sync): a 64-token plane in one group and at
-    most two groups per 256-token sub-step (the per-group work, an [N, D] operand and two sums
-    over D, is then small against the dequantization it saves); not with int8_keys, which
-    folds it its own way."""
-    return bool(tuning.fold_k and group_size >= 128 and not _mma_keys(tuning)
-                and not _int8_keys(tuning, group_size, head_dim))
-
-
 def _mma_keys(tuning: TuningConfig) -> bool:
     return tuning.mma_sync in ("keys", "both")
 
 
-def _folds_keys_mma(tuning: TuningConfig, group_size: int, head_dim: int = 128) -> bool:
+def _folds_keys_mma(tuning: TuningConfig, group_size: int = 128, head_dim: int = 128) -> bool:
     """Whether the key scale is folded into mma.sync's B operand in registers
     (`TuningConfig.fold_k` with the keys on mma.sync, any G): code fields as fp16 subnormals
     (`_field_sub`), B = fp16(q * s_g) per register (`_scale_rhs`), q . z_g from one mma.sync
-    per two planes (`_rows_of`); not with int8_keys."""
-    return bool(tuning.fold_k and _mma_keys(tuning)
-                and not _int8_keys(tuning, group_size, head_dim))
+    per two distinct group vectors (`_rows_of`)."""
+    del group_size, head_dim  # any G and D
+    return bool(tuning.fold_k and _mma_keys(tuning))
 
 
 def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
@@ -393,15 +358,13 @@ def _no_auto_barriers(tuning: TuningConfig, group_size: int, head_dim: int, inte
     `_wg_sync` (the loop max's barrier orders a sub-step's reads of P and of the reduction
     scratch before the next sub-step's writes; `_wg_sync` the writes of P before its reads);
     the epilogue's stores are ordered by its reductions and commit_smem. Not the wgmma,
-    int8/fp8 or SMEM-staged paths, whose stores through refs rely on the auto barriers."""
+    fp8 or SMEM-staged paths, whose stores through refs rely on the auto barriers."""
     fv = _folds_values(tuning, group_size, head_dim) and not _fp8_values(
         tuning, group_size, head_dim)
     return bool((tuning.wg_per_block > 1 or tuning.copy_warp) and tuning.mma_sync == "both"
                 and not stage_smem
                 and _uses_widen8(tuning, interpret)
                 and (tuning.subnormal_values or not fv)
-                and not _folds_keys(tuning, group_size, head_dim)
-                and not _int8_keys(tuning, group_size, head_dim)
                 and not _fp8_values(tuning, group_size, head_dim))
 
 
@@ -420,8 +383,7 @@ def _warp_softmax(tuning: TuningConfig, group_size: int, head_dim: int, interpre
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     """Head-dim chunks of the key product: tuning.k_chunks where each chunk is a whole number of
     64-channel tiles (D = 64: always 1); the folded key product (fold_k) is not chunked."""
-    if (_folds_keys(tuning, group_size, head_dim) or _folds_keys_mma(tuning, group_size, head_dim)
-            or _int8_keys(tuning, group_size, head_dim) or head_dim % (PLANE * tuning.k_chunks)):
+    if _folds_keys_mma(tuning, group_size, head_dim) or head_dim % (PLANE * tuning.k_chunks):
         return 1
     return tuning.k_chunks
 
@@ -435,15 +397,10 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
     TS, D, G = tuning.block_tokens, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
-    fold = 0
-    if _folds_keys(tuning, G, D) or _int8_keys(tuning, G, D):  # q * s_g per group, q^T in f32
-        ngs = min(tuning.sub_tokens, TS) // G
-        fold = ngs * padded_heads * D * 2 + D * padded_heads * 4 + PLANE * D
     W = tuning.wg_per_block
     red = _RED_SCRATCH * 4  # per-warpgroup reduction scratch (f32)
     p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
-    per_wg = (tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3
-              + fold + red)
+    per_wg = tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3 + red
     return W * per_wg + 4096
 
 
@@ -451,7 +408,7 @@ def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
     block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
-    int8_keys: bool = False, fp8_values: bool = False, mma_sync: str | None = None,
+    fp8_values: bool = False, mma_sync: str | None = None,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -469,12 +426,9 @@ def choose_tuning(
     against W=3 in one process): 2-bit G=32 with B * Hkv * T >= 2^22 takes W=3 (+5-7%: B=8
     T=128k 0.389 -> 0.361 ms, B=32 T=32k/128k); below that W=3 loses (up to -15% at B=8
     T=8k), and at G=128 (2/4-bit) it is even or slower, so those keep W=1.
-    `int8_keys` / `fp8_values` set those opt-in flags (where they apply). With both, the kernel
-    needs 149-167 registers (runs 25-26), so three blocks of 128 threads fit an SM's register
-    file where the shared memory allows (2-bit G=128: S=6-18 within 2% at B=8 T=128k, run 26;
-    4-bit: two blocks by shared memory, S=8 best).
+    `fp8_values` sets that opt-in flag (where it applies).
     `mma_sync` (None: chosen here): each product runs on warp-level mma.sync unless it takes
-    an 8-bit wgmma (int8_keys, fp8_values where they apply): on the H200 mma.sync did the
+    an 8-bit wgmma (fp8_values where it applies): on the H200 mma.sync did the
     fp16 products of both at B=8 T=128k faster than wgmma (2-bit G=128 0.350 -> 0.310 ms,
     W=3 0.281; 2-bit G=32 W=3 0.360 -> 0.321; 4-bit 0.377 -> 0.344; docs/performance.md runs
     39-40), while 8-bit mma.sync was slower than 8-bit wgmma (int8 and fp8 mma.sync retire
@@ -484,22 +438,18 @@ def choose_tuning(
     takes W=4 where four pipelines fit (0.263 -> 0.249 ms at B=8 T=128k, run 47).
     """
     if mma_sync is None:
-        probe = TuningConfig(int8_keys=int8_keys, fp8_values=fp8_values)
-        keys = not _int8_keys(probe, group_size, head_dim)
-        values = not _fp8_values(probe, group_size, head_dim)
-        mma_sync = {(True, True): "both", (True, False): "keys", (False, True): "values",
-                    (False, False): ""}[keys, values]
+        probe = TuningConfig(fp8_values=fp8_values)
+        mma_sync = "keys" if _fp8_values(probe, group_size, head_dim) else "both"
     blk = max(block_tokens or 256, _min_block(key_bits, value_bits), group_size)
     while max_tokens % blk and blk > 256:
         blk //= 2
     if max_tokens % blk:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {blk}")
-    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages, int8_keys=int8_keys,
-                        fp8_values=fp8_values, mma_sync=mma_sync)
+    base = TuningConfig(block_tokens=blk, num_splits=1, stages=stages, fp8_values=fp8_values,
+                        mma_sync=mma_sync)
     # the key scale folded into mma.sync's B in registers (run 46: 2-bit G=128 0.286 -> 0.264
     # ms, 4-bit 0.357 -> 0.340, G=32 even; the same error, run 47)
-    base = dataclasses.replace(base, fold_k=_mma_keys(base) and not _int8_keys(
-        base, group_size, head_dim))
+    base = dataclasses.replace(base, fold_k=_mma_keys(base))
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
                              group_size=group_size, head_dim=head_dim, padded_heads=8)
     if wg_per_block is None:
@@ -511,17 +461,19 @@ def choose_tuning(
                 if size(dataclasses.replace(base, wg_per_block=w)) <= SMEM_LIMIT]
         wg_per_block = fits[0] if many and fits else 1
     base = dataclasses.replace(base, wg_per_block=wg_per_block)
-    floor = max(_min_block(key_bits, value_bits), group_size, 128)
+    floor = max(_min_block(key_bits, value_bits), group_size, _CACHE_BLOCK)
     while size(base) > SMEM_LIMIT and base.block_tokens > floor:  # W pipelines per block
         base = dataclasses.replace(base, block_tokens=base.block_tokens // 2)
+    if size(base) > SMEM_LIMIT:
+        raise ValueError(f"wg_per_block={wg_per_block} with stages={stages} needs {size(base)} "
+                         f"bytes of shared memory at {base.block_tokens}-token steps (limit "
+                         f"{SMEM_LIMIT}): fewer warpgroups or stages")
     steps = max_tokens // base.block_tokens
     smem = size(base)
     if wg_per_block > 1:  # one block per SM, W splits in it
         slots = num_sms * wg_per_block
-    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM,
-        # 149-167 with both low-precision products (runs 25-26) 3
-        lean = _int8_keys(base, group_size, head_dim) and _fp8_values(base, group_size, head_dim)
-        slots = num_sms * max(1, min(3 if lean else 2, (227 * 1024) // smem))
+    else:  # 199-248 registers per thread (ptxas, run 18) allow 2 blocks of 128 threads per SM
+        slots = num_sms * max(1, min(2, (227 * 1024) // smem))
     bh = batch * kv_heads
     costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
     best = min(costs.values())
@@ -684,14 +636,15 @@ def _pairs64(ref, idx):
     return tuple(vector.extract_strided_slice(pair, quad, [o], [2], [1]) for o in (0, 2))
 
 
-def _vec_load(rows_ref, *, G: int = 0, perm: bool = False, wide: bool = False):
+def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
+              wide: bool = False):
     """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
 
-    rows_ref: (X,) or, with G, the (64 // G, X) vectors of the tile's groups: warp w then loads
-    the row of the group its 16 tile rows lie in ((16 w) // G), so the warps hold different
-    vectors (valid only under a row broadcast and elementwise use: `_group_vecs`). perm: in the
-    `_PERM16` order of the widen8 path; wide (with perm): two registers per 64-bit load
-    (`_pairs64`) instead of one per 32-bit load. Not interpretable (inline Mosaic GPU).
+    rows_ref: (X,) or, with rows, (n, X) vectors of which warp w loads row rows[w] (the group
+    its 16 tile rows lie in), so the warps hold different vectors (valid only under a row
+    broadcast and elementwise use: `_group_vecs`, `kfold_scores`). perm: in the `_PERM16`
+    order of the widen8 path; wide (with perm): two registers per 64-bit load (`_pairs64`)
+    instead of one per 32-bit load. Not interpretable (inline Mosaic GPU).
     """
     X = rows_ref.shape[-1]
 
@@ -700,8 +653,12 @@ def _vec_load(rows_ref, *, G: int = 0, perm: bool = False, wide: bool = False):
                                                           layout=_WG.reduce(0)))
     def load(_, ref):
         lane, warp = _lane_warp()
-        if G:
-            g = arith.divui(arith.muli(warp, _i32(16)), _i32(G))
+        if rows:  # the warp's row, by selects on the (loop-invariant) warp index
+            g = _i32(rows[0])
+            for w in range(1, 4):
+                if rows[w] != rows[0]:
+                    g = arith.select(arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w)),
+                                     _i32(rows[w]), g)
             ref = mgpu_utils.memref_slice(ref, arith.index_cast(ir.IndexType.get(), g))
         if not perm:
             return mgpu_fa.FragmentedArray.load_untiled(ref, layout=mgpu_fa.WGMMA_COL_LAYOUT,
@@ -768,15 +725,6 @@ def _store_p_perm(p16, dst, col0: int = 0):
     store(p16, dst)
 
 
-def _s8_field_spec(bits: int, j: int):
-    """(shift, mask, weight) of code field j as an s8 number: (byte >> shift) & mask is
-    code * weight. Fields reaching the sign bit are shifted down by one first."""
-    lo = bits * j
-    if lo + bits <= 7:
-        return 0, ((1 << bits) - 1) << lo, 1 << lo
-    return 1, ((1 << bits) - 1) << (lo - 1), 1 << (lo - 1)
-
-
 def _f8_field_spec(bits: int, j: int):
     """(shift, mask, weight) of value code field j as an e4m3 subnormal: (byte >> shift) & mask
     is a byte b <= 15, which e4m3 reads as b * 2^-9 = code * weight * 2^-9 (the subnormals and
@@ -788,19 +736,17 @@ def _f8_field_spec(bits: int, j: int):
 
 
 def _code_field8(x8, spec, dtype):
-    """Code field (shift, mask, _) = spec of a (64, X) uint8 tile in the 8-bit WGMMA layout as
-    the 8-bit A operand of `dtype` (int8: `_s8_field_spec`, float8_e4m3fn: `_f8_field_spec`):
-    one and (plus one shift for a shifted field) per register of four bytes. Not interpretable
-    (inline Mosaic GPU)."""
+    """Code field (shift, mask, _) = spec (`_f8_field_spec`) of a (64, X) uint8 tile in the
+    8-bit WGMMA layout as the float8_e4m3fn A operand: one and (plus one shift for a shifted
+    field) per register of four bytes. Not interpretable (inline Mosaic GPU)."""
     shift, mask, _ = spec
     W8 = plgpu.Layout.WGMMA_8BIT
-    signed = True if jnp.dtype(dtype) == jnp.int8 else None
 
     @plgpu.inline_mgpu(arg_types=(W8,),
                        return_type=plgpu.ShapeDtypeStruct(x8.shape, dtype, layout=W8))
     def field(_, xa):
         i32 = ir.IntegerType.get_signless(32)
-        elt = ir.IntegerType.get_signless(8) if signed else ir.Float8E4M3FNType.get()
+        elt = ir.Float8E4M3FNType.get()
         out = np.empty(xa.registers.shape, dtype=object)
         for idx in np.ndindex(xa.registers.shape):
             reg = xa.registers[idx]
@@ -810,7 +756,7 @@ def _code_field8(x8, spec, dtype):
             w = arith.andi(w, _i32(mask * 0x01010101))
             out[idx] = mgpu_utils.bitcast(w, ir.VectorType.get(ir.VectorType(reg.type).shape,
                                                                elt))
-        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=signed)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=xa.layout, _is_signed=None)
 
     return field(x8)
 
@@ -818,72 +764,8 @@ def _code_field8(x8, spec, dtype):
 def _code_field8_reference(x8, spec, dtype):
     """`_code_field8` in jnp (the interpreter's path): x8 (64, X) uint8."""
     shift, mask, _ = spec
-    f = ((x8.astype(jnp.int32) >> shift) & mask).astype(jnp.uint8)
-    return f.astype(jnp.int8) if jnp.dtype(dtype) == jnp.int8 else lax.bitcast_convert_type(
-        f, dtype)
-
-
-def _int8_prep_native(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref):
-    """int8_keys, one key group, no barrier: q * s_g rounded to int8 into the wgmma B operand
-    bq8_ref [N, 128] (tiling (8, 128), 128-byte swizzle), and per head sigma = max_c |q * s_g|
-    / 127 and q . z_g into stats_ref [2, N] (f32). q32_ref: [N, 128] f32 (sm_scale applied);
-    ks_ref / kz_ref: the group's (128,) fp16 scale and minimum. Thread t of the warpgroup owns
-    head t // 16 (+ 8 per further pass), channels 8 (t % 16) .. + 8: the max and the sum over a
-    head's channels are 16-lane shuffles, the eight codes one 8-byte store. Rounds half to
-    even (cvt.rni). Visible to wgmma after the caller's commit_smem. Not interpretable."""
-    N, D = q32_ref.shape
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(transforms=_swz(jnp.int8, D)), plgpu.RefType()))
-    def prep(_, q_ref, s_ref, z_ref, b_ref, st_ref):
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
-        v8f32 = ir.VectorType.get((8,), f32)
-        v8f16 = ir.VectorType.get((8,), ir.F16Type.get())
-        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
-        base = mgpu_utils.memref_ptr(b_ref)
-        for k in range(N * D // 8 // 128):
-            cid = arith.addi(tid, _i32(128 * k))
-            n, c0 = arith.shrui(cid, _i32(4)), arith.muli(arith.andi(cid, _i32(15)), _i32(8))
-            q = vector.load(v8f32, q_ref, [idx(n), idx(c0)])
-            sv = arith.extf(v8f32, vector.load(v8f16, s_ref, [idx(c0)]))
-            zv = arith.extf(v8f32, vector.load(v8f16, z_ref, [idx(c0)]))
-            x = arith.mulf(q, sv)
-            am = vector.reduction(f32, vector.CombiningKind.MAXNUMF, math_dialect.absf(x))
-            bias = vector.reduction(f32, vector.CombiningKind.ADD, arith.mulf(q, zv))
-            for dist in (1, 2, 4, 8):  # the 16 lanes of a head
-                am = arith.maxnumf(am, mgpu_utils.shfl_bfly(am, dist))
-                bias = arith.addf(bias, mgpu_utils.shfl_bfly(bias, dist))
-            safe = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, am, mgpu_utils.c(0.0, f32)),
-                                am, mgpu_utils.c(1.0, f32))
-            inv = arith.divf(mgpu_utils.c(127.0, f32), safe)
-            words = []
-            for w in range(2):  # four channels per 32-bit word, little-endian
-                ints = []
-                for e in range(4):
-                    xe = vector.extract(x, dynamic_position=[], static_position=[4 * w + e])
-                    ints.append(mgpu_utils.inline_ptx(
-                        "cvt.rni.s32.f32 $0, $1;", arith.mulf(xe, inv), result_types=i32))
-                # cvt.pack d, a, b, c: d = (c[15:0] << 16) | (a << 8) | b, saturated bytes
-                hi = mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, 0;",
-                                           ints[3], ints[2], result_types=i32)
-                words.append(mgpu_utils.inline_ptx("cvt.pack.sat.s8.s32.b32 $0, $1, $2, $3;",
-                                                   ints[1], ints[0], hi, result_types=i32))
-            nr = arith.andi(n, _i32(7))
-            off = arith.addi(
-                arith.addi(arith.muli(arith.shrui(n, _i32(3)), _i32(1024)),
-                           arith.muli(nr, _i32(128))),
-                arith.addi(arith.muli(arith.xori(arith.shrui(c0, _i32(4)), nr), _i32(16)),
-                           arith.andi(c0, _i32(8))))
-            pair = vector.from_elements(ir.VectorType.get((2,), i32), words)
-            llvm.store(pair, mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8)))
-            first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(cid, _i32(15)), _i32(0))
-            with mgpu_utils.when(first):
-                memref.store(arith.mulf(am, mgpu_utils.c(1.0 / 127.0, f32)), st_ref,
-                             [idx(_i32(0)), idx(n)])
-                memref.store(bias, st_ref, [idx(_i32(1)), idx(n)])
-
-    prep(q32_ref, ks_ref, kz_ref, bq8_ref, stats_ref)
+    return lax.bitcast_convert_type(((x8.astype(jnp.int32) >> shift) & mask).astype(jnp.uint8),
+                                    dtype)
 
 
 def _wg_reduce(x, kind: str, scratch_ref):
@@ -1249,81 +1131,6 @@ def _row_half(x, h: int):
     return pick(x)
 
 
-def _group_rows(rows_ref):
-    """The (64, X) fp16 A operand (WGMMA layout, columns in the `_PERM16` order) whose rows
-    16 w + r of every warp are row r of rows_ref (n, X) for r < n <= 16 (rows r >= n: a copy of
-    row n - 1 where a load serves them, r < 8 or n > 8, else zeros; their products are not
-    read): one mma.sync against it gives every row's
-    product with B, and lane (g, c) loads only its own row g (and g + 8): X / 16 64-bit loads
-    (`_pairs64`) for all n rows, where `_rows_of` takes two vectors of X / 8 registers each
-    per two rows. Not interpretable."""
-    n, X = rows_ref.shape
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), rows_ref.dtype, layout=_WG))
-    def rows(_, ref):
-        lane, _ = _lane_warp()
-        g = arith.shrui(lane, _i32(2))
-        k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
-        dt = ir.MemRefType(ref.type).element_type
-        zero = vector.broadcast(ir.VectorType.get((2,), dt), arith.constant(dt, 0.0))
-        lay = mgpu_fa.WGMMA_LAYOUT
-        regs = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
-        at = {}
-        for half in range(2):  # rows g, g + 8
-            if 8 * half >= n:
-                continue
-            row = ix(arith.minui(arith.addi(g, _i32(8 * half)), _i32(n - 1)))
-            for k in range(X // 16):
-                lo, hi = _pairs64(ref, [row, ix(arith.addi(k4, _i32(16 * k)))])
-                at[8 * half, 16 * k], at[8 * half, 16 * k + 8] = lo, hi
-        for i in np.ndindex(regs.shape):
-            r0, c0 = lay.tiling.untile_indices(i)
-            regs[i] = at.get((r0 % 16, c0), zero)
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
-
-    return rows(rows_ref)
-
-
-def _group_bias(c, base: int, G: int):
-    """c (64, N) f32 (WGMMA layout): the product of `_group_rows`' rows with B (row r of every
-    warp: group r of the sub-step). Returns the (64, N) broadcast, over each warp's rows, of row
-    base + (16 w) // G (the group of warp w's rows in a plane whose first group is `base`):
-    the row is held by lanes 4 r + c, so two shuffles per register pair. Not interpretable."""
-
-    @plgpu.inline_mgpu(arg_types=(_WG,),
-                       return_type=plgpu.ShapeDtypeStruct(c.shape, c.dtype, layout=_WG))
-    def pick(_, xa):
-        lane, warp = _lane_warp()
-        at = _origins(xa)
-        r = _i32(base % 8)
-        if G < 64:  # a plane's 64 rows hold several groups: the warps' lie in different ones
-            r = arith.addi(r, arith.divui(arith.muli(warp, _i32(16)), _i32(G)))
-        assert base % 8 + 48 // G < 8  # the row stays in the same register half
-        src = arith.addi(arith.muli(r, _i32(4)), arith.andi(lane, _i32(3)))
-        i32 = ir.IntegerType.get_signless(32)
-        regs = np.empty_like(xa.registers)
-        got = {}
-        for i in np.ndindex(regs.shape):
-            r0, c0 = xa.layout.tiling.untile_indices(i)
-            if c0 not in got:
-                x = at[(8 * (base // 8), c0)]
-                words = mgpu_utils.bitcast(x, ir.VectorType.get((2,), i32))
-                y = llvm.mlir_undef(words.type)
-                for e in range(2):
-                    w = vector.extract(words, dynamic_position=[],
-                                       static_position=ir.DenseI64ArrayAttr.get([e]))
-                    w = nvvm.shfl_sync(_i32(0xFFFFFFFF), w, src, _i32(0x1F), nvvm.ShflKind.idx)
-                    y = vector.insert(w, y, dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([e]))
-                got[c0] = mgpu_utils.bitcast(y, x.type)
-            regs[i] = got[c0]
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout, _is_signed=None)
-
-    return pick(c)
-
-
 def _mma_rhs(ref, interpret):
     """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
     if interpret:
@@ -1413,34 +1220,56 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     return lax.fori_loop(0, nsteps, body, carry)
 
 
-def _group_vecs(scale_at, min_at, row0: int, shape, G: int, cache: dict, key,
+def _warp_groups(p: int, G: int) -> tuple[int, ...]:
+    """The key groups (counted from the sub-step's first) of the rows 16 w .. 16 w + 15 of plane
+    p, w = 0..3: in the cache order those rows hold the tokens 256 (p // 4) + 64 w + 16 (p % 4)
+    + (0..15) of the sub-step, so a warp's rows of a block's four planes lie in one group
+    (G >= 64) or two (G = 32)."""
+    return tuple((_CACHE_BLOCK * (p // 4) + 64 * w + 16 * (p % 4)) // G for w in range(4))
+
+
+def _plane_tokens(p: int, rows):
+    """Token offsets within the sub-step of rows (an int32 array of row indices < 64) of plane p
+    in the cache order (`_warp_groups`)."""
+    return _CACHE_BLOCK * (p // 4) + 16 * (p % 4) + rows + 48 * lax.div(rows, 16)
+
+
+def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, key,
                 per_warp: bool = False, perm: bool = False):
-    """Scale and minimum of the (64, X) tile whose rows start at `row0` of the grouped axis,
-    broadcast along rows (WGMMA layout). `scale_at(g)` / `min_at(g)` give the vector of group
-    g, `scale_at(g, n)` the (n, X) rows of groups g .. g+n-1. For G = 32 the tile holds two
-    groups: per_warp loads each warp's own group (`_vec_load`), otherwise the upper half of the
-    rows takes the second by a select per element. perm: vectors in the widen8 column order."""
+    """Scale and minimum of a (64, X) tile whose rows 16 w .. 16 w + 15 lie in group groups[w]
+    (w = 0..3), broadcast along rows (WGMMA layout). `scale_at(g)` / `min_at(g)` give the vector
+    of group g, `scale_at(g, n)` the (n, X) rows of groups g .. g+n-1. A tile over several
+    groups: per_warp loads each warp's own vector (`_vec_load` with rows), otherwise a select
+    per element picks it by row block. perm: vectors in the widen8 column order."""
 
     def vec(at, g):
         k = (key, at is min_at, g)
-        if k not in cache:  # planes of one group share the SMEM loads of its vectors
+        if k not in cache:  # tiles of one group share the SMEM loads of its vectors
             cache[k] = (_vec_load(at(g), perm=True) if perm else
                         plgpu.load(at(g), (), layout=_WG.reduce(0)))
         return lax.broadcast_in_dim(cache[k], shape, [1])
 
-    g = row0 // G
-    if G >= PLANE:
-        return vec(scale_at, g), vec(min_at, g)
+    if len(set(groups)) == 1:
+        return vec(scale_at, groups[0]), vec(min_at, groups[0])
+    g0 = min(groups)
     if per_warp:
         def wvec(at):
-            k = (key, at is min_at, g, "warp")
+            k = (key, at is min_at, groups, "warp")
             if k not in cache:
-                cache[k] = _vec_load(at(g, PLANE // G), G=G, perm=perm)
+                cache[k] = _vec_load(at(g0, max(groups) - g0 + 1),
+                                     rows=tuple(g - g0 for g in groups), perm=perm)
             return lax.broadcast_in_dim(cache[k], shape, [1])
         return wvec(scale_at), wvec(min_at)
-    lo = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG) < G
-    return (jnp.where(lo, vec(scale_at, g), vec(scale_at, g + 1)),
-            jnp.where(lo, vec(min_at, g), vec(min_at, g + 1)))
+    blk = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG), 16)
+
+    def pick(at):
+        x = vec(at, groups[0])
+        for w in range(1, 4):
+            if groups[w] != groups[0]:
+                x = jnp.where(blk == w, vec(at, groups[w]), x)
+        return x
+
+    return pick(scale_at), pick(min_at)
 
 
 def _make_kernel(
@@ -1458,10 +1287,7 @@ def _make_kernel(
     mtiles = D // PLANE
     VCH = min(TS, 256)  # value-scale chunk (a TMA box is at most 256 wide)
     f16 = jnp.float16
-    fold = _folds_keys(tuning, G, D)
     kfold = _folds_keys_mma(tuning, G, D)
-    i8k = _int8_keys(tuning, G, D)
-    NGS = SUB // G  # key groups per sub-step
     reload = tuning.reload_codes
     f8v = _fp8_values(tuning, G, D)
     fv = _folds_values(tuning, G, D) and not f8v
@@ -1486,18 +1312,13 @@ def _make_kernel(
                 else lambda ref: ref[...].astype(jnp.uint16))
     widen_v0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE), exponent=False)
                 if w8 else lambda ref: ref[...].astype(jnp.uint16))
-    extra_names = (["qt_s", "bq_s", "bar2"] if fold else
-                   ["qt_s", "bq8_s", "kd8_s", "st8_s", "bar2"] if i8k else [])
-    extra_names += ["vd8_s"] if f8v else []
+    extra_names = ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
     no_auto = _no_auto_barriers(tuning, G, D, interpret, stage_smem)
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
-    # kfold: the key minimums' bias of all of a sub-step's groups from one mma.sync
-    rows_bias = (tuning.bias_rows and kfold and w8 and not interpret and NGS <= 16
-                 and tuning.skip != "groups")
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1523,8 +1344,6 @@ def _make_kernel(
     n_in = 4 if alt_layout else 6
 
     def kivi_decode_sm90(meta_g, q_g, *refs):
-        if fold or i8k:
-            qt_g, *refs = refs
         gmem = refs[:n_in]
         o_g, lse_g, *scratch_refs = refs[n_in:]
         sc = dict(zip(scratch_names, scratch_refs, strict=True))
@@ -1564,53 +1383,8 @@ def _make_kernel(
 
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
-            if fold or i8k:  # q^T in f32, loop-invariant: (64 channels, N) per channel tile
-                qt_s, bar2 = ex["qt_s"], ex["bar2"]
-                bq_s = ex["bq_s"] if fold else ex["bq8_s"]
-                plgpu.copy_gmem_to_smem(qt_g.at[b, h], qt_s, bar2)
-                plgpu.barrier_wait(bar2)
-                if fold:
-                    qt = [plgpu.load(qt_s.at[mt], (), layout=_WG) for mt in range(mtiles)]
-                elif interpret:  # int8_keys: q [N, D] f32 (natively read by _int8_prep_native)
-                    q32 = qt_s[...]
-            if mmk and not i8k:  # q^T as mma.sync's B operand: registers, loop-invariant
+            if mmk:  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
-
-            def fold_prep(v):
-                """fold: stores bq_s[g] = fp16(q * s_g) ([N, D], channels in the widen8 order when
-                w8) for every key group g of the sub-step and returns, per plane p (group g, field
-                j), the (64, N) broadcast of q . z_g - offset_j * sum_c bq_s[g][:, c]: the bias that
-                turns codes-with-offsets . bq_s[g] into q . k. The sums are over the rounded fp16
-                values wgmma reads, so the offsets cancel up to f32 rounding."""
-                us, ws = [], []
-                for g in range(NGS):
-                    u = w = None
-                    tiles = []
-                    for mt in range(mtiles):
-                        cols = pl.ds(mt * PLANE, PLANE)
-                        sv = plgpu.load(v["kscale"](g).at[cols], (), layout=_WG.reduce(1))
-                        zv = plgpu.load(v["kmin"](g).at[cols], (), layout=_WG.reduce(1))
-                        sb = lax.broadcast_in_dim(sv.astype(jnp.float32), (PLANE, NP), [0])
-                        zb = lax.broadcast_in_dim(zv.astype(jnp.float32), (PLANE, NP), [0])
-                        qs = (qt[mt] * sb).astype(f16)
-                        if w8:
-                            _store_p_perm(qs, bq_s.at[g], col0=mt * PLANE)
-                        else:
-                            tiles.append(qs)
-                        uu, ww = qs.astype(jnp.float32), qt[mt] * zb
-                        u = uu if u is None else u + uu
-                        w = ww if w is None else w + ww
-                    if not w8:
-                        t = tiles[0] if mtiles == 1 else jnp.concatenate(tiles, axis=0)
-                        bq_s.at[g].T[...] = plgpu.layout_cast(t, _WGT)
-                    us.append(red(u, "add"))
-                    ws.append(red(w, "add"))
-                plgpu.commit_smem()
-                out = []
-                for p in range(planes):
-                    g, off = p * PLANE // G, _field_offset(key_bits, p % Pk)
-                    out.append(lax.broadcast_in_dim(ws[g] - off * us[g], (PLANE, NP), [1]))
-                return out
 
             def views(refs, u):
                 """Accessors of sub-step u of one step's SMEM buffers (documented or alt
@@ -1646,9 +1420,9 @@ def _make_kernel(
                     vmin=lambda p: (lambda g, n=0: vsz_s.at[grows(g, n), vchunk(p), 1,
                                                             pl.ds(voff(p), PLANE)]))
 
-            def k_codes(v, p, cache, c=0, raw=False):
-                """Raw key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
-                (64 tokens, DC) (raw: plus the field's offset, `_field_raw`)."""
+            def k_codes(v, p, cache, c=0):
+                """Key codes of plane p of the step, head-dim chunk c, as exact fp16 integers:
+                (64 tokens, DC)."""
                 r = p // Pk
                 if reload:
                     x = widen_k(v["kcodes"](r, c))
@@ -1656,7 +1430,7 @@ def _make_kernel(
                     if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
                         cache[r] = widen_k(v["kcodes"](r, c))
                     x = cache[r]
-                return (_field_raw if raw else _field_to_f16)(x, key_bits, p % Pk)
+                return _field_to_f16(x, key_bits, p % Pk)
 
             def k_tile(v, p, cache, c=0):
                 """Dequantized keys of plane p of the step, head-dim chunk c: (64 tokens, DC)
@@ -1664,8 +1438,8 @@ def _make_kernel(
                 x = k_codes(v, p, cache, c)
                 cols = pl.ds(c * DC, DC)
                 at = lambda f: (lambda g, n=0: f(g, n).at[(slice(None), cols) if n else cols])
-                sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), p * PLANE, (PLANE, DC), G,
-                                     cache, "k", per_warp, w8)
+                sc, mn = _group_vecs(at(v["kscale"]), at(v["kmin"]), _warp_groups(p, G),
+                                     (PLANE, DC), cache, "k", per_warp, w8)
                 return x * sc + mn
 
             def v_codes(v, p, m, cache, raw=False):
@@ -1683,49 +1457,11 @@ def _make_kernel(
             def v_tile(v, p, m, cache):
                 """Dequantized V^T of plane p, channel tile m: (64 channels, 64 tokens) fp16."""
                 c = v_codes(v, p, m, cache)
-                sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), m * PLANE, (PLANE, PLANE), G,
+                # channel groups of the tile's rows (the channels m * 64 + 16 w + ...)
+                groups = tuple((m * PLANE + 16 * w) // G for w in range(4))
+                sc, mn = _group_vecs(v["vscale"](p), v["vmin"](p), groups, (PLANE, PLANE),
                                      cache, ("v", p), per_warp, w8)
                 return c * sc + mn
-
-            def int8_prep(v):
-                """int8_keys: stores bq_s[g] = round(q * s_g / sigma_g) (int8 [N, D], sigma_g =
-                max_c |q * s_g| / 127 per head) for every key group g of the sub-step and returns,
-                per plane p (group g, field j), the (64, N) broadcasts of sigma_g / weight_j
-                and of q . z_g: scores = int32 accumulator * the first + the second. Natively
-                without a barrier (`_int8_prep_native`); the commit orders it before wgmma."""
-                st8 = ex["st8_s"]
-                for g in range(NGS):
-                    if interpret:
-                        x = q32 * v["kscale"](g)[...].astype(jnp.float32)[None]
-                        am = jnp.abs(x).max(axis=1)
-                        am = jnp.where(am > 0, am, 1.0)  # padded heads: q = 0
-                        bq_s.at[g][...] = jnp.round(x * (127.0 / am)[:, None]).astype(jnp.int8)
-                        st8.at[g, 0][...] = am * (1.0 / 127.0)
-                        st8.at[g, 1][...] = (
-                            q32 * v["kmin"](g)[...].astype(jnp.float32)[None]).sum(axis=1)
-                    else:
-                        _int8_prep_native(qt_s, v["kscale"](g), v["kmin"](g), bq_s.at[g],
-                                          st8.at[g])
-                plgpu.commit_smem()
-                res = []
-                for p in range(planes):
-                    g = p * PLANE // G
-                    wgt = _s8_field_spec(key_bits, p % Pk)[2]
-                    sigma = plgpu.load(st8.at[g, 0], (), layout=_WG.reduce(0))
-                    bias = plgpu.load(st8.at[g, 1], (), layout=_WG.reduce(0))
-                    res.append((lax.broadcast_in_dim(sigma * (1.0 / wgt), (PLANE, NP), [1]),
-                                lax.broadcast_in_dim(bias, (PLANE, NP), [1])))
-                return res
-
-            def k_field8(v, p, cache):
-                """int8_keys: key code field of plane p as the s8 A operand (64 tokens, D)."""
-                r = p // Pk
-                spec = _s8_field_spec(key_bits, p % Pk)
-                if interpret:
-                    return _code_field8_reference(v["kcodes"](r, 0)[...], spec, jnp.int8)
-                if r not in cache:  # one SMEM load of a byte tile serves all its Pk planes
-                    cache[r] = plgpu.load(v["kcodes"](r, 0), (), layout=plgpu.Layout.WGMMA_8BIT)
-                return _code_field8(cache[r], spec, jnp.int8)
 
             def v_field8(v, p, m, cache):
                 """fp8_values: value code field of plane p, channel tile m, as the e4m3 A
@@ -1780,88 +1516,67 @@ def _make_kernel(
                 code fields enter as fp16 subnormals (`_field_sub`: one and per element pair,
                 no offset, no fma), B = q * s_g is one fp16x2 multiply per register of q's B
                 operand (`_scale_rhs`) per group, and q . z_g comes from one more mma.sync per
-                two planes whose A rows are the two groups' minimums (`_rows_of`). G < 128:
-                each warp scales by the vectors of its own 16 rows' group (`_vec_load` with
-                G; warp_groups is implied)."""
+                two distinct group vectors, whose A rows are their minimums (`_rows_of`). Each
+                warp scales by the vectors of its own 16 rows' group (`_warp_groups`,
+                `_vec_load` with rows): one per 256-token block at G >= 64, two at G = 32."""
                 f32 = jnp.float32
                 zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), f32), _WG)
                 q = qb[0]  # (D, NP) B operand (registers natively, an array interpreted)
-                if interpret:  # per row half (G = 32: two groups per plane), in jnp
+                if interpret:  # per warp's 16 rows (its own group), in jnp
                     out = []
                     for p in range(planes):
                         r = p // Pk
                         a = _field_sub(widen_k0(v["kcodes"](r, 0)), key_bits, p % Pk)
-                        halves = []
-                        for hf in range(2):
-                            g = (p * PLANE + hf * PLANE // 2) // G
+                        blocks = []
+                        for w, g in enumerate(_warp_groups(p, G)):
                             bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
-                            x = jnp.dot(a[hf * 32:(hf + 1) * 32], bq, preferred_element_type=f32)
+                            x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
-                            halves.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
-                        out.append(jnp.concatenate(halves, axis=0))
+                            blocks.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
+                        out.append(jnp.concatenate(blocks, axis=0))
                     return out
                 vecs, codes, bqs = {}, {}, {}
 
                 wide = w8 and tuning.vec64
 
-                def vec(which, p):
-                    """The scale or minimum of plane p's group(s): per warp below G = 64."""
-                    g = p * PLANE // G
-                    if (which, g) not in vecs:
-                        vecs[which, g] = (
-                            _vec_load(v[which](g), perm=w8, wide=wide) if G >= PLANE else
-                            _vec_load(v[which](g, PLANE // G), G=G, perm=w8, wide=wide))
-                    return vecs[which, g]
-
-                # one key per distinct group vector (G = 128: two planes share one), paired
-                # for the bias products
-                key = [p * PLANE // G if G > PLANE else p for p in range(planes)]
+                # one key per distinct per-warp group vector (G >= 64: one per 256-token
+                # block), paired for the bias products
+                key = [_warp_groups(p, G) for p in range(planes)]
                 if tuning.skip == "groups":  # ablation: every plane on the first's vectors
-                    key = [0] * planes
+                    key = [key[0]] * planes
+
+                def vec(which, gs):
+                    """The scale or minimum vector of the groups gs (one per warp)."""
+                    if (which, gs) not in vecs:
+                        g0 = min(gs)
+                        vecs[which, gs] = (
+                            _vec_load(v[which](g0), perm=w8, wide=wide) if len(set(gs)) == 1
+                            else _vec_load(v[which](g0, max(gs) - g0 + 1),
+                                           rows=tuple(g - g0 for g in gs), perm=w8, wide=wide))
+                    return vecs[which, gs]
+
                 uniq = list(dict.fromkeys(key))
-                first = {k: key.index(k) for k in uniq}
                 bias = {}
-                if rows_bias:  # every group's q . z_g from one product (`_group_rows`)
-                    c = _mma(zero, _group_rows(v["kmin"](0, NGS)), q, interpret)
-                    for k in uniq:
-                        bias[k] = _group_bias(c, first[k] * PLANE // G, G)
-                else:
-                    for i in range(0, len(uniq), 2):
-                        ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
-                        c = _mma(zero, _rows_of(vec("kmin", first[ka]), vec("kmin", first[kb])),
-                                 q, interpret)
-                        bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                for i in range(0, len(uniq), 2):
+                    ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
+                    c = _mma(zero, _rows_of(vec("kmin", ka), vec("kmin", kb)), q, interpret)
+                    bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
                 out = []
                 for p in range(planes):
                     r, k = p // Pk, key[p]
                     if r not in codes:  # one SMEM load of a byte tile serves its Pk planes
                         codes[r] = widen_k0(v["kcodes"](r, 0))
                     if k not in bqs:
-                        bqs[k] = _scale_rhs(q, vec("kscale", p))
+                        bqs[k] = _scale_rhs(q, vec("kscale", k))
                     x = _mma(zero, _field_sub(codes[r], key_bits, p % Pk), bqs[k], interpret)
                     out.append(x * _field_sub_weight(key_bits, p % Pk) + bias[k])
                 return out
 
             def mma_scores(v):
                 """`scores` on mma.sync: each plane's tile against B in registers (q loaded
-                once per split; int8_keys: q * s_g of the plane's group from bq_s, once per
-                group and sub-step; fold_k: `kfold_scores`)."""
+                once per split; fold_k: `kfold_scores`)."""
                 if kfold:
                     return kfold_scores(v)
-                cache = {}
-                if i8k:
-                    fix = int8_prep(v)
-                    _wg_sync(interpret)  # bq_s was written by other threads
-                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.int32), _WG)
-                    bregs, out = {}, []
-                    for p in range(planes):
-                        g = p * PLANE // G
-                        if g not in bregs:
-                            bregs[g] = _mma_rhs(bq_s.at[g].T, interpret)
-                        x = _mma(zero, k_field8(v, p, cache), bregs[g], interpret)
-                        # the int32 scores times sigma_g / weight_j, plus q . z_g
-                        out.append(x.astype(jnp.float32) * fix[p][0] + fix[p][1])
-                    return out
                 out = [plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)] * planes
                 for c in range(KCH):
                     cache = {}
@@ -1870,41 +1585,11 @@ def _make_kernel(
                 return out
 
             def scores(v):
-                """S^T tiles (64 tokens, NP) of all planes of the step, f32 (fold: without the
-                bias of `fold_prep`)."""
+                """S^T tiles (64 tokens, NP) of all planes of the step, f32."""
                 if mmk:
                     return mma_scores(v)
-                if i8k:
-                    fix = int8_prep(v)
-                    b8 = lambda p: bq_s.at[p * PLANE // G].T
-                    acc8 = plgpu.ACC((PLANE, NP), jnp.int32)
-                    if stage_smem:
-                        def f8(acc, p):
-                            ex["kd8_s"][...] = k_field8(v, p, {})
-                            plgpu.commit_smem()
-                            plgpu.wgmma(acc, ex["kd8_s"], b8(p))
-                            plgpu.wgmma_wait(0)
-                            return acc[...]
-                        raw = [pl.run_scoped(functools.partial(f8, p=p), acc8)
-                               for p in range(planes)]
-                    else:
-                        def f8(*accs):
-                            cache = {}
-                            for p in range(planes):
-                                plgpu.wgmma(accs[p], k_field8(v, p, cache), b8(p))
-                                if p:
-                                    plgpu.wgmma_wait(1)
-                            plgpu.wgmma_wait(0)
-                            return [a[...] for a in accs]
-                        raw = pl.run_scoped(f8, *[acc8] * planes)
-                    return [a.astype(jnp.float32) * sc_ + bias for a, (sc_, bias) in zip(
-                        raw, fix, strict=True)]
-                if fold:  # code fields with their offsets against q * s_g of the plane's group
-                    a_tile = lambda p, cache, c: k_codes(v, p, cache, raw=True)
-                    b_ref = lambda p, c: bq_s.at[p * PLANE // G].T
-                else:
-                    a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
-                    b_ref = lambda p, c: q_s.at[c].T
+                a_tile = lambda p, cache, c: k_tile(v, p, cache, c)
+                b_ref = lambda p, c: q_s.at[c].T
                 if stage_smem:
                     def f(acc, p):
                         for c in range(KCH):
@@ -1949,13 +1634,12 @@ def _make_kernel(
 
             def sub_step(refs, tok0, u, carry):
                 v = views(refs, u)
-                kbias = fold_prep(v) if fold else None
                 m_run, l_t, accs, zaccs = carry
-                st = [x if kbias is None else x + kbias[p] for p, x in enumerate(scores(v))]
+                st = scores(v)
 
                 def masked(xs):  # the tokens at and past n (ragged lengths, padding) drop out
                     rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-                    return [jnp.where(tok0 + p * PLANE + rows < n, x, -jnp.inf)
+                    return [jnp.where(tok0 + _plane_tokens(p, rows) < n, x, -jnp.inf)
                             for p, x in enumerate(xs)]
 
                 # Only the last sub-step of a row can hold such tokens: the others skip the
@@ -2228,20 +1912,6 @@ def _make_kernel(
                            transforms=_swz(f16, 64)),
         "bar": plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier(),
     }
-    if fold:
-        scratch.update(
-            qt_s=plgpu.SMEM(per_wg(mtiles, PLANE, NP), jnp.float32),  # q^T (sm_scale applied)
-            bq_s=plgpu.SMEM(per_wg(NGS, NP, D), f16, transforms=_swz(f16, D)),  # q * s_g
-            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
-    if i8k:
-        scratch.update(
-            qt_s=plgpu.SMEM(per_wg(NP, D), jnp.float32),  # q (sm_scale applied), f32
-            bq8_s=plgpu.SMEM(per_wg(NGS, NP, D), jnp.int8, transforms=_swz(jnp.int8, D)),
-            # the interpreter's SMEM-staged s8 A operand (a placeholder natively)
-            kd8_s=plgpu.SMEM(per_wg(PLANE, D) if stage_smem else per_wg(8, 128), jnp.int8,
-                             transforms=_swz(jnp.int8, 128)),
-            st8_s=plgpu.SMEM(per_wg(NGS, 2, NP), jnp.float32),  # sigma_g and q . z_g per head
-            bar2=plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier())
     if f8v:  # the interpreter's SMEM-staged e4m3 A operand (a placeholder natively)
         scratch["vd8_s"] = plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64),
                                       jnp.float8_e4m3fn, transforms=_swz(jnp.float8_e4m3fn, 64))
@@ -2377,11 +2047,6 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     sm_scale = sm_scale * float(np.log2(np.e))
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
-    # fold_k: q^T in float32 as (D/64) tiles of [64 channels, NP heads] (q * s_g in-kernel).
-    # int8_keys: q itself in float32 [NP, D] (q * s_g and its int8 rounding in-kernel).
-    extra = ((jnp.swapaxes(qf, -1, -2).reshape(B, Hkv, D // PLANE, PLANE, NP),)
-             if _folds_keys(tuning, group_size, D) else
-             (qf,) if _int8_keys(tuning, group_size, D) else ())
     qf = qf.astype(_MMA_DTYPE)
     if _uses_widen8(tuning, interpret):  # key tile channels in the _PERM16 order
         qf = permute_contraction(qf)
@@ -2399,7 +2064,7 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
-    return kern, (meta, qf, *extra, *cache), nq
+    return kern, (meta, qf, *cache), nq
 
 
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
@@ -2434,9 +2099,7 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     variant under the Mosaic GPU interpreter (any backend). `low_precision`: turn on the opt-in
     fp8 value product (`TuningConfig.fp8_values`; it applies at G = D and changes nothing
     elsewhere) on `tuning` (its value product then on wgmma) or on choose_tuning's, the key
-    product staying exact on mma.sync
-    (faster and more precise than the int8 key product since run 40; `int8_keys` stays
-    reachable through `tuning`).
+    product staying exact on mma.sync.
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes.
     """
@@ -2489,25 +2152,39 @@ def _running_max(x, tuning: TuningConfig):
 
 
 def _unpack_layer(codes, bits, axis):
-    from kivi_jax.quant import unpack  # the packing rule is defined once, in kivi_jax.quant
+    """Codes of one layer with the tokens in order (the packing rule and the cache order are
+    defined once, in kivi_jax.quant)."""
+    from kivi_jax.quant import unpack_tokens
 
-    return unpack(codes, bits, axis=axis, plane=PLANE)
+    return unpack_tokens(codes, bits, axis=axis)
+
+
+def _cache_slot(t):
+    from kivi_jax.quant import cache_slot
+
+    return cache_slot(t)
+
+
+def _token_order(x):
+    """Per-token arrays [..., Tq] of the cache (value scales, minimums) from the cache order
+    back to token order."""
+    from kivi_jax.quant import to_cache_order
+
+    return to_cache_order(x, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("key_bits", "value_bits", "group_size", "sm_scale",
-                                             "int8_keys", "fp8_values", "tuning"))
+                                             "fp8_values", "tuning"))
 def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer,
                           *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-                          tuning=None, interpret=False, int8_keys: bool = False,
-                          fp8_values: bool = False):
+                          tuning=None, interpret=False, fp8_values: bool = False):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
-    outputs as `kivi_decode` (tuning/interpret ignored). int8_keys: q * s_g rounded to int8 per
-    group and head as the kernel does with `TuningConfig.int8_keys` (scale max_c |q * s_g| /
-    127, rounding half to even). fp8_values (G = D): P * s_t rounded to e4m3 through fp16 as the
-    kernel does with `TuningConfig.fp8_values`, relative to the kernel's running max of
-    logit + ln s_t (per split, updated every sub-step; `tuning` gives the splits and sub-steps,
-    default `choose_tuning`'s), so the rounding is the kernel's up to f32 arithmetic."""
+    outputs as `kivi_decode` (tuning/interpret ignored). fp8_values (G = D): P * s_t rounded
+    to e4m3 through fp16 as the kernel does with `TuningConfig.fp8_values`, relative to the
+    kernel's running max of logit + ln s_t (per split, updated every sub-step; `tuning` gives
+    the splits and sub-steps, default `choose_tuning`'s), so the rounding is the kernel's up to
+    f32 arithmetic."""
     del interpret
     L, B, Hq, Hkv, D, Tq = _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
                                          num_tokens, layer, key_bits, value_bits, group_size)
@@ -2517,14 +2194,11 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
     kc = _unpack_layer(sel(k_codes), key_bits, 2)  # [B, Hkv, Tq, D]
     vc = _unpack_layer(sel(v_codes), value_bits, 3)  # [B, Hkv, D, Tq]
-    ks, kz, vs, vz = take(k_scale), take(k_min), take(v_scale), take(v_min)
+    ks, kz = take(k_scale), take(k_min)
+    vs, vz = _token_order(take(v_scale)), _token_order(take(v_min))
     qs = q.astype(f32).reshape(B, Hkv, nq, D) * sm_scale
     # keys: q'_g = q * s_g (per token group g), bias_g = q . z_g
     qg = qs[:, :, None] * ks[:, :, :, None, :]  # [B,H,Tq/G,nq,D]
-    if int8_keys:
-        am = jnp.abs(qg).max(axis=-1, keepdims=True)
-        am = jnp.where(am > 0, am, 1.0)
-        qg = jnp.round(qg * (127.0 / am)) * (am * (1.0 / 127.0))  # half to even, as cvt.rni
     kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
     logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
     logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
@@ -2557,7 +2231,7 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
         tot = p.sum(axis=-1)
         Pv = 8 // value_bits  # field weight of each plane, then of each token's plane
         wgt = np.array([_f8_field_spec(value_bits, j)[2] for j in range(Pv)],
-                       np.float32)[(np.arange(Tq) // PLANE) % Pv]
+                       np.float32)[(_cache_slot(np.arange(Tq)) // PLANE) % Pv]
         b8 = (bt * (256.0 / wgt)).astype(jnp.float16).astype(jnp.float8_e4m3fn)
         pg = (b8.astype(f32) * (wgt / 256.0) * rescale)[:, :, :, None, :]
     vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)

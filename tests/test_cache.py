@@ -83,6 +83,33 @@ def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
     )
 
 
+def test_quantized_tokens_sit_in_the_documented_layout():
+    """docs/layout.md: the packed codes are `pack_tokens` of each token's codes (the cache order,
+    token-planar), key scales per group in token order, value scales per token in the cache
+    order; both dequantize to the tokens through `gather`."""
+    from kivi_jax.quant import cache_slot, minmax_quantize, pack_tokens
+
+    config = kj.KiviConfig(2, 4, group_size=32, residual_length=32)
+    k, v = _random_kv(1, 1, 512)
+    c = kj.KiviCache.init(
+        config, num_layers=L, batch=1, kv_heads=H, head_dim=D, max_len=512, dtype=jnp.float32
+    ).prefill(k, v, jnp.array([512], jnp.int32))
+    kc, ks, _ = minmax_quantize(k.reshape(L, 1, H, 16, 32, D), 2, axis=-2)
+    np.testing.assert_array_equal(c.keys.codes, pack_tokens(kc.reshape(L, 1, H, 512, D), 2,
+                                                            axis=-2))
+    np.testing.assert_array_equal(c.keys.scale, ks[..., 0, :])
+    nq = int(c.values.num_quantized(c.lengths)[0])  # 480: the newest 32 stay in full precision
+    vc, vs, _ = minmax_quantize(v.reshape(L, 1, H, 512, D // 32, 32), 4, axis=-1)
+    vc = jnp.where((jnp.arange(512) < nq)[:, None], vc.reshape(L, 1, H, 512, D), 0)
+    np.testing.assert_array_equal(c.values.codes, pack_tokens(vc.swapaxes(-1, -2), 4, axis=-1))
+    t = np.array([0, 17, 100, 300, nq - 1])
+    np.testing.assert_array_equal(c.values.scale[..., cache_slot(t)],
+                                  vs[..., 0].swapaxes(-1, -2)[..., t])
+    got = c.values.gather(0, jnp.asarray(t)[None], c.lengths)
+    want = np.asarray(v)[0][:, :, t].astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=0.2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("config", CONFIGS[:4], ids=str)
 def test_nbytes_matches_the_formula(config):
     b, max_len = 3, 1000

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kivi_jax.quant import pack
+from kivi_jax.quant import pack_tokens, to_cache_order
 from pallas_kernels import kivi_decode_sm90 as kd
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -35,8 +35,10 @@ TOL = {jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.bfloat16): 4e-3}
 # fp8_values: the twin rounds P * s_t to e4m3 against the kernel's own running max, but the
 # logits reach that rounding through different f32 (or fp16-operand) arithmetic, so a weight
 # near a rounding boundary can land one e4m3 step (2^-4 relative) away: measured up to 2.4e-3
-# of max |o| under the interpreter. A wrong field weight, scale or rescale is off by O(1).
-TOL_F8 = 1e-2
+# of max |o| under the interpreter, 1.17e-2 on the H200 (run 81: D = G = 64, three warpgroups,
+# a row whose few dominant weights decide o). A wrong field weight, scale or rescale is off by
+# O(1).
+TOL_F8 = 2e-2
 
 
 def twin_flags(tun, G, D):
@@ -44,7 +46,7 @@ def twin_flags(tun, G, D):
     if tun is None:
         return {}
     f8 = kd._fp8_values(tun, G, D)
-    return dict(int8_keys=kd._int8_keys(tun, G, D), fp8_values=f8, tuning=tun if f8 else None)
+    return dict(fp8_values=f8, tuning=tun if f8 else None)
 
 
 def tol_for(tun, G, D, dtype):
@@ -57,9 +59,9 @@ def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G):
     kc = rng.integers(0, 2**kb, (L, B, Hkv, Tq, D)).astype(np.uint8)
     vc = rng.integers(0, 2**vb, (L, B, Hkv, D, Tq)).astype(np.uint8)
     f = lambda shape, lo, hi: jnp.asarray(rng.uniform(lo, hi, shape), jnp.float16)
-    return (pack(kc, kb, axis=3, plane=64),
+    return (pack_tokens(kc, kb, axis=3),
             f((L, B, Hkv, Tq // G, D), 0.02, 0.3), f((L, B, Hkv, Tq // G, D), -0.6, 0.0),
-            pack(vc, vb, axis=4, plane=64),
+            pack_tokens(vc, vb, axis=4),
             f((L, B, Hkv, D // G, Tq), 0.02, 0.3), f((L, B, Hkv, D // G, Tq), -0.6, 0.0))
 
 
@@ -71,6 +73,8 @@ def plain_attention(q, cache, num_tokens, layer, *, key_bits, value_bits, group_
                     sm_scale):
     """Independent float64 numpy: unpack, dequantize every element, softmax, weighted sum."""
     k_codes, k_scale, k_min, v_codes, v_scale, v_min = (np.asarray(x) for x in cache)
+    # per-token value scales are held in the cache order (docs/layout.md)
+    v_scale, v_min = (np.asarray(to_cache_order(x, -1)) for x in (v_scale, v_min))
     kc = kd._unpack_layer(k_codes[layer], key_bits, 2)
     vc = np.swapaxes(np.asarray(kd._unpack_layer(v_codes[layer], value_bits, 3)), -1, -2)
     G = group_size
@@ -116,7 +120,7 @@ CASES = [
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (300, 0), 1, TC(256, 2, 2)),
     (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2)),
     (1, 2, 2, 64, 512, 2, 2, 64, jnp.float16, (511,), 1, TC(256, 1, 2)),
-    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(128, 2, 2)),
+    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TC(256, 2, 2)),
     (2, 4, 2, 64, 512, 4, 4, 32, jnp.float16, (0, 0), 1, TC(256, 2, 3)),
     (2, 16, 1, 128, 512, 4, 2, 32, jnp.bfloat16, (257, 448), 2, TC(256, 2, 2)),
     (1, 4, 4, 64, 1024, 2, 4, 64, jnp.float16, (777,), 1, TC(512, 2, 2)),
@@ -190,18 +194,16 @@ def test_reference_matches_plain_attention(case):
     compare(ro, rlse, po, plse, 1e-5)
 
 
-# TuningConfig flags: small shapes, each flag in the interpreter (fold_k and fold_v on and off
-# at G = D, fold_k with one and with two groups per sub-step; reload_codes; D = 64) and
+# TuningConfig flags: small shapes, each flag in the interpreter (fold_v on and off at G = D;
+# fold_k on mma.sync at G 128 / 64 / 32; reload_codes; D = 64) and
 # cross-lowered for sm_90 (lean_values changes only the wgmma waits of the production
 # variant, which the SMEM-staged interpreter variant does not have: cross-lowering only).
 FLAG_CASES = [
     (2, 8, 1, 128, 256, 2, 2, 32, jnp.float16, (256, 65), 1,
-     TW(256, 1, 2, fold_k=True, reload_codes=True, lean_values=True, fold_v=True)),
-    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TW(128, 2, 2, fold_k=True)),
+     TW(256, 1, 2, reload_codes=True, lean_values=True, fold_v=True)),
+    (2, 3, 1, 128, 256, 4, 4, 128, jnp.bfloat16, (1, 200), 0, TW(256, 2, 2)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 0, TW(256, 1, 2, fold_v=True)),
     (1, 8, 2, 128, 256, 2, 2, 128, jnp.float16, (256,), 1, TW(256, 1, 2, fold_v=False)),
-    (2, 4, 2, 128, 256, 2, 2, 128, jnp.bfloat16, (256, 100), 0,
-     TW(256, 1, 2, fold_k=True, fold_v=False)),
     (1, 4, 2, 64, 256, 2, 4, 64, jnp.float16, (190,), 2,
      TW(256, 1, 2, reload_codes=True, lean_values=True)),
     # k_chunks: the key product over two head-dim halves; sub_tokens=512: 8 planes per softmax
@@ -217,25 +219,17 @@ FLAG_CASES = [
     (2, 4, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 200), 1,
      TW(256, 2, 3, wg_per_block=3)),
     (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2, TW(256, 3, 2, wg_per_block=2)),
-    # int8_keys: the key product on int8 tensor cores (against the twin's int8 model of q * s_g)
-    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TW(256, 2, 2, int8_keys=True)),
-    (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
-     TW(256, 1, 2, int8_keys=True, fold_v=False)),
-    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
-     TW(256, 2, 2, int8_keys=True, wg_per_block=3)),
     # fp8_values: the value product on fp8 tensor cores (against the twin's e4m3 model of
-    # P * s_t), alone and with int8 keys, 2 and 4 bits, D = G = 64, two warpgroups
+    # P * s_t), 2 and 4 bits, D = G = 64, two warpgroups
     (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1, TW(256, 2, 2, fp8_values=True)),
     (2, 12, 2, 128, 512, 4, 4, 128, jnp.float16, (300, 512), 0,
-     TW(256, 1, 2, int8_keys=True, fp8_values=True)),
+     TW(256, 1, 2, fp8_values=True)),
     (1, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450,), 0, TW(256, 2, 2, fp8_values=True)),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
-     TW(256, 2, 2, int8_keys=True, fp8_values=True, wg_per_block=2)),
+     TW(256, 2, 2, fp8_values=True, wg_per_block=2)),
     # mma_sync: warp-level products (the interpreter computes them in jnp; the native
     # mma.sync path is cross-lowered here and run by the GPU cases)
     (2, 8, 1, 128, 512, 2, 2, 32, jnp.float16, (512, 65), 2, TC(256, 2, 2, mma_sync="both")),
-    (2, 4, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (512, 130), 1,
-     TC(256, 2, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 8, 2, 128, 1024, 2, 4, 128, jnp.float16, (1000, 0), 2,
      TC(256, 2, 2, mma_sync="both", wg_per_block=3)),
     # fold_k on mma.sync: subnormal code fields, q * s_g per register, q . z_g by mma.sync;
@@ -262,19 +256,18 @@ FLAG_CASES = [
     # copy_warp with release_slots (native only: cross-lowered here, run on the GPU)
     (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
      TC(256, 2, 2, fold_k=True, wg_per_block=4, release_slots=True)),
-    # the copies dealt over the warps, the keys' bias from the groups' rows, 64-bit vector
-    # loads (native only), at G = 32 with three warpgroups
+    # the copies dealt over the warps, 64-bit vector loads (native only), at G = 32 with three
+    # warpgroups
     (2, 8, 1, 128, 1024, 2, 2, 32, jnp.bfloat16, (1024, 300), 1,
-     TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, bias_rows=True,
-        vec64=True)),
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, vec64=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
             f"-kch{c[-1].k_chunks}-sub{c[-1].sub_tokens}-wg{c[-1].wg_per_block}"
-            f"-i8k{int(c[-1].int8_keys)}-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
+            f"-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
             f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
             f"-lazy{int(c[-1].lazy_rescale)}-cw{int(c[-1].copy_warp)}{int(c[-1].release_slots)}"
-            f"-sp{int(c[-1].spread_copies)}{int(c[-1].bias_rows)}{int(c[-1].vec64)}"
+            f"-sp{int(c[-1].spread_copies)}{int(c[-1].vec64)}"
             for c in FLAG_CASES]
 
 
@@ -333,7 +326,7 @@ def test_no_auto_barriers_gating():
     """Mosaic's auto barriers go only where every cross-warp hand-over of the loop has its own
     barrier: the kernel's own pipeline (several warpgroups per block, or one with copy_warp),
     both products on mma.sync, P through widen8's store, natively; never with
-    plgpu.emit_pipeline, the SMEM-staged, wgmma, int8 or fp8 paths or the run-40 value fold."""
+    plgpu.emit_pipeline, the SMEM-staged, wgmma or fp8 paths or the run-40 value fold."""
     W4 = TC(fold_k=True, wg_per_block=4)
     assert kd._no_auto_barriers(W4, 128, 128, False)
     assert kd._no_auto_barriers(W4, 32, 128, False)  # keys fold, values dequantized
@@ -343,8 +336,8 @@ def test_no_auto_barriers_gating():
     assert kd._no_auto_barriers(TC(fold_k=True), 128, 128, False)  # one warpgroup, copy_warp
     # one warpgroup through plgpu.emit_pipeline, which relies on the auto barriers
     assert not kd._no_auto_barriers(TC(fold_k=True, copy_warp=False), 128, 128, False)
-    for flags in (dict(mma_sync="keys"), dict(mma_sync=""), dict(int8_keys=True),
-                  dict(fp8_values=True), dict(subnormal_values=False), dict(widen8=False),
+    for flags in (dict(mma_sync="keys"), dict(mma_sync=""), dict(fp8_values=True),
+                  dict(subnormal_values=False), dict(widen8=False),
                   dict(fold_k=True, mma_sync="values")):
         assert not kd._no_auto_barriers(dataclasses.replace(W4, **flags), 128, 128, False), flags
 
@@ -382,18 +375,14 @@ def test_warp_softmax_gating():
 
 
 def test_key_fold_gating():
-    """fold_k: with the key product on wgmma the key scale folds into q through SMEM where a
-    256-token sub-step holds at most two groups; on mma.sync it folds in registers at every G.
-    Either way the key product stays in one chunk; choose_tuning turns it on for mma.sync."""
+    """fold_k: on mma.sync the key scale folds in registers at every G (with the keys on wgmma
+    it is ignored); the key product then stays in one chunk; choose_tuning turns it on for
+    mma.sync."""
     on, on_wg = TC(fold_k=True), TC(fold_k=True, mma_sync="")
-    assert kd._folds_keys(on_wg, 128) and not kd._folds_keys(on_wg, 64)
-    assert not kd._folds_keys(on_wg, 32) and not kd._folds_keys(TC(mma_sync=""), 128)
-    assert not kd._folds_keys(on, 128)  # mma.sync: the register fold instead
     for G in (32, 64, 128):
         assert kd._folds_keys_mma(on, G) and kd._folds_keys_mma(TC(fold_k=True, mma_sync="keys"), G)
         assert not kd._folds_keys_mma(on_wg, G) and not kd._folds_keys_mma(TC(), G)
         assert not kd._folds_keys_mma(TC(fold_k=True, mma_sync="values"), G)
-    assert not kd._folds_keys_mma(TC(fold_k=True, int8_keys=True), 128)
     assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 128) == 1
     assert kd._key_chunks(TC(k_chunks=2, fold_k=True), 128, 32) == 1
     assert kd._key_chunks(TC(k_chunks=2, mma_sync=""), 128, 32) == 2
@@ -403,7 +392,6 @@ def test_key_fold_gating():
     assert ct(8, 8, 131072).fold_k and ct(8, 8, 131072, group_size=32).fold_k
     assert ct(8, 8, 131072, fp8_values=True).fold_k
     assert not ct(8, 8, 131072, mma_sync="").fold_k
-    assert not ct(8, 8, 131072, int8_keys=True).fold_k
 
 
 def test_subnormal_code_fields():
@@ -418,24 +406,6 @@ def test_subnormal_code_fields():
                 assert x.dtype == jnp.float16
                 assert float(x) == code * 2.0 ** (bits * j - 24), (bits, j, code)
                 assert float(x) * kd._field_sub_weight(bits, j) == code
-
-
-def test_int8_key_gating():
-    """int8_keys applies at G = D = 128 only (one group per two planes, 128-byte operand rows),
-    is opt-in, takes precedence over fold_k, and keeps the key product in one chunk."""
-    on = TC(int8_keys=True)
-    assert kd._int8_keys(on, 128, 128)
-    assert not kd._int8_keys(on, 64, 128) and not kd._int8_keys(on, 64, 64)
-    assert not kd._int8_keys(on, 32, 128) and not kd._int8_keys(TC(), 128, 128)
-    both = TC(int8_keys=True, fold_k=True)
-    assert kd._int8_keys(both, 128, 128) and not kd._folds_keys(both, 128, 128)
-    assert kd._key_chunks(TC(k_chunks=2, int8_keys=True), 128, 128) == 1
-    for p, (bits, j) in enumerate([(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1)]):
-        shift, mask, weight = kd._s8_field_spec(bits, j)
-        for code in range(2 ** bits):  # every code of field j, as s8, is code * weight
-            byte = code << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
-            val = (byte >> shift) & mask
-            assert val < 128 and val == code * weight, (p, code)
 
 
 def test_fp8_value_gating_and_fields():
@@ -477,31 +447,25 @@ def test_fp8_twin_running_max_is_the_kernels():
     exact = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw)
     f8 = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(layer), **kw, fp8_values=True,
                                   tuning=tun)
-    compare(*f8, *exact, 5 * TOL_F8)
+    compare(*f8, *exact, 5e-2)
     assert np.abs(np.asarray(f8[0]) - np.asarray(exact[0])).max() > 0  # it does round
 
 
 def test_choose_tuning_low_precision_products():
-    """choose_tuning sets the opt-in flags where asked and, with both at 2 bits, plans three
-    blocks per SM (149-167 registers, runs 25-26): fewer splits than at two blocks per SM."""
+    """choose_tuning sets the opt-in fp8 value product where asked, off by default."""
     ct = kd.choose_tuning
-    fast = ct(8, 8, 131072, int8_keys=True, fp8_values=True)
-    assert fast.int8_keys and fast.fp8_values and fast.wg_per_block == 1
-    assert fast.num_splits == 6 and ct(8, 8, 131072, mma_sync="").num_splits == 8
-    fast4 = ct(8, 8, 131072, key_bits=4, value_bits=4, int8_keys=True, fp8_values=True)
-    assert fast4.num_splits == 8  # two blocks per SM by shared memory
-    assert not ct(8, 8, 131072).fp8_values and not ct(8, 8, 131072).int8_keys
+    assert ct(8, 8, 131072, fp8_values=True).fp8_values
+    assert ct(8, 8, 131072, key_bits=4, value_bits=4, fp8_values=True).fp8_values
+    assert not ct(8, 8, 131072).fp8_values
 
 
 def test_choose_tuning_mma_sync():
-    """Each product on mma.sync unless it takes an 8-bit wgmma (run 40), whatever applies at
-    the group size: fp8_values only at G = D, int8_keys only at G = D = 128."""
+    """Each product on mma.sync unless it takes an 8-bit wgmma (run 40), where it applies at
+    the group size: fp8_values only at G = D."""
     ct = kd.choose_tuning
     assert ct(8, 8, 131072).mma_sync == "both"
     assert ct(8, 8, 131072, fp8_values=True).mma_sync == "keys"
-    assert ct(8, 8, 131072, int8_keys=True).mma_sync == "values"
-    assert ct(8, 8, 131072, int8_keys=True, fp8_values=True).mma_sync == ""
-    assert ct(8, 8, 131072, group_size=32, int8_keys=True, fp8_values=True).mma_sync == "both"
+    assert ct(8, 8, 131072, group_size=32, fp8_values=True).mma_sync == "both"
     assert ct(8, 8, 131072, mma_sync="values").mma_sync == "values"
     with pytest.raises(ValueError, match="mma_sync"):
         kd.TuningConfig(mma_sync="all")
@@ -521,12 +485,14 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
     assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
-    assert ct(8, 8, 131072, group_size=128, int8_keys=True).wg_per_block == 1
     assert ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).wg_per_block == 1
-    for kb, G in ((2, 32), (2, 128), (4, 128), (4, 32)):
+    for kb, G in ((2, 32), (2, 128)):
         t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, wg_per_block=3)
         assert t.wg_per_block == 3
         assert kd.smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G) <= kd.SMEM_LIMIT
+    for G in (128, 32):  # three 4-bit pipelines of 256-token steps (a block of the cache order)
+        with pytest.raises(ValueError, match="shared memory"):
+            ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=G, wg_per_block=3)
 
 
 def test_interpret_true_means_gpu_interpreter():
@@ -597,32 +563,26 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, k_chunks=2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TW(256, 4, 2, warp_groups=False)),
-    # G = D with the scales applied to the codes (fold_v off) / key scale folded (fold_k).
+    # G = D with the scales applied to the codes (fold_v off); 4-bit; fewer live tiles.
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(256, 4, 2, fold_v=False)),
-    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, fold_k=True)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2)),
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16,
-     TW(256, 4, 2, fold_k=True, reload_codes=True, lean_values=True)),
+     TW(256, 4, 2, reload_codes=True, lean_values=True)),
     # Three warpgroups per block, each with its own pipeline (the last block partly idle:
     # 3 * 8 * 5 = 120 units in 40 blocks; 4 * 8 * 3 = 96 in 32; 2 * 8 * 7 = 112 in 38).
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 5, 2, wg_per_block=3)),
     (4, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TW(256, 3, 2, wg_per_block=3)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(128, 7, 3, wg_per_block=3)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 7, 2, wg_per_block=2)),
     (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TW(256, 4, 2, wg_per_block=2)),
-    # int8_keys (against the twin's int8 model of q * s_g), also with three warpgroups
-    (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 4, 2, int8_keys=True)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 4, 2, int8_keys=True, fold_v=False)),
-    (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(256, 5, 2, int8_keys=True, wg_per_block=3)),
-    # fp8_values (against the twin's e4m3 model of P * s_t), alone and with int8 keys
+    # fp8_values (against the twin's e4m3 model of P * s_t), 2 and 4 bits, D = 64, B = 8
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TW(256, 4, 2, fp8_values=True)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 4, 2, int8_keys=True, fp8_values=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TW(256, 4, 2, fp8_values=True)),
     (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TW(256, 5, 2, fp8_values=True, wg_per_block=3)),
     (8, 32, 8, 128, 32768, 2, 2, 128, jnp.bfloat16,
-     TW(256, 8, 2, int8_keys=True, fp8_values=True)),
+     TW(256, 8, 2, fp8_values=True)),
     # mma_sync: both products on warp-level mma.sync, exact and low-precision, G 32/64/128
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TC(256, 4, 2, mma_sync="both", wg_per_block=3)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16,
-     TC(256, 4, 2, int8_keys=True, fp8_values=True, mma_sync="both")),
     (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, mma_sync="both")),
     (3, 32, 8, 64, 8192, 2, 2, 64, jnp.float16, TC(256, 5, 2, mma_sync="both", fold_v=False)),
     # fold_k on mma.sync (subnormal code fields, q * s_g per register, q . z_g by mma.sync):
@@ -635,11 +595,11 @@ GPU_CASES = [  # larger shapes, native production variant
     (4, 32, 8, 128, 8192, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, fp8_values=True, mma_sync="keys", wg_per_block=3)),
     # compiled without auto barriers (`_no_auto_barriers`): four warpgroups at G = 128 (the
-    # anchor's launch), three at G = 32, 4-bit 128-token steps
+    # anchor's launch), three at G = 32, two at 4 bits
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16, TC(256, 4, 2, fold_k=True, wg_per_block=4)),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TC(256, 5, 2, fold_k=True, wg_per_block=3)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
-     TC(128, 6, 3, fold_k=True, wg_per_block=3)),
+     TC(256, 6, 2, fold_k=True, wg_per_block=2)),
     # the per-warp softmax (`_warp_softmax`; also in the TC configurations at G = D above, where
     # TuningConfig's default turns it on) with 24 padded heads (three column tiles per warp)
     # and three warpgroups; with the conditional rescale (4-bit; D = 64); and switched off
@@ -650,11 +610,11 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False)),
     # the copies issued by one warp per warpgroup (`copy_warp`, the default: the cases with
     # several warpgroups above), here with the slots released through an mbarrier
-    # (`release_slots`) at four warpgroups and at 4 bits with three stages; and switched off
+    # (`release_slots`) at four warpgroups and at 4 bits with two; and switched off
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
      TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
-     TC(128, 6, 3, fold_k=True, wg_per_block=3, release_slots=True)),
+     TC(256, 6, 2, fold_k=True, wg_per_block=2, release_slots=True)),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, copy_warp=False)),
     # the copies dealt over the warpgroup's warps (`spread_copies`): four warpgroups with the
@@ -664,20 +624,17 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TC(256, 4, 2, fold_k=True, spread_copies=True)),
-    # the keys' bias of all of a sub-step's groups from one mma.sync (`bias_rows`) and the key
-    # vectors by 64-bit loads (`vec64`): G = 128 with four warpgroups, G = 32 with three (the
-    # warps' groups differ), G = 64 at D = 64 with mixed bits, 24 padded heads (three column
-    # tiles), 4-bit with one warpgroup (the per-warp softmax)
+    # the key vectors by 64-bit loads (`vec64`): G = 128 with four warpgroups, G = 32 with
+    # three (two groups per warp and block), G = 64 at D = 64 with mixed bits, 24 padded heads
+    # (three column tiles), 4-bit with one warpgroup (the per-warp softmax)
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
-     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, bias_rows=True, vec64=True)),
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, vec64=True)),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
-     TC(256, 5, 2, fold_k=True, wg_per_block=3, bias_rows=True, vec64=True)),
-    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16, TC(256, 3, 2, fold_k=True, bias_rows=True,
-                                                    vec64=True)),
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, vec64=True)),
+    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16, TC(256, 3, 2, fold_k=True, vec64=True)),
     (3, 72, 4, 128, 8192, 2, 2, 64, jnp.bfloat16,
-     TC(256, 5, 2, fold_k=True, wg_per_block=3, bias_rows=True, vec64=True)),
-    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, bias_rows=True,
-                                                     vec64=True)),
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, vec64=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, vec64=True)),
 ]
 
 

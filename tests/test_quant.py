@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kivi_jax as kj
-from kivi_jax.quant import default_plane, minmax_quantize, pack, unpack
+from kivi_jax.quant import (
+    cache_slot,
+    default_plane,
+    minmax_quantize,
+    pack,
+    pack_tokens,
+    to_cache_order,
+    unpack,
+    unpack_tokens,
+)
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -40,6 +49,39 @@ def test_planar_layout_matches_the_documented_rule():
         byte = (t // (per * plane)) * plane + t % plane
         j = (t // plane) % per
         assert (packed[byte] >> (bits * j)) & 3 == codes[t]
+
+
+def test_cache_order_is_an_involution_giving_each_warp_consecutive_tokens():
+    """Within each 256-token block token 64a + 16b + c sits in slot 64b + 16a + c: the map is
+    its own inverse, keeps blocks, and the rows 16w .. 16w + 15 of the block's four 64-slot
+    planes (what warp w of a warpgroup holds) are the 64 consecutive tokens 64w .. 64w + 63."""
+    t = np.arange(1024)
+    s = cache_slot(t)
+    np.testing.assert_array_equal(np.sort(s), t)
+    np.testing.assert_array_equal(cache_slot(s), t)
+    np.testing.assert_array_equal(s // 256, t // 256)
+    assert [cache_slot(x) for x in (0, 15, 16, 63, 64, 255, 256 + 17)] == [
+        0, 15, 64, 207, 16, 255, 256 + 65]
+    for w in range(4):
+        rows = [256 + 64 * p + 16 * w + r for p in range(4) for r in range(16)]
+        assert sorted(cache_slot(np.array(rows)) - 256) == list(range(64 * w, 64 * w + 64))
+    x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
+    np.testing.assert_array_equal(to_cache_order(to_cache_order(x, 1), 1), x)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        to_cache_order(np.zeros((3, 128)), 1)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_token_packing_is_the_cache_order_then_token_planar(bits):
+    per = 8 // bits
+    codes = np.random.default_rng(bits).integers(0, 2**bits, (512, 3), dtype=np.uint8)
+    packed = np.asarray(pack_tokens(codes, bits, axis=0))
+    for t in (0, 1, 15, 16, 17, 63, 64, 100, 255, 256, 300, 511):
+        s = int(cache_slot(t))
+        byte = (s // (per * 64)) * 64 + s % 64
+        j = (s // 64) % per
+        np.testing.assert_array_equal((packed[byte] >> (bits * j)) & (2**bits - 1), codes[t])
+    np.testing.assert_array_equal(unpack_tokens(packed, bits, axis=0), codes)
 
 
 @SETTINGS
