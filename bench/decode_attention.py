@@ -208,7 +208,7 @@ def override(tun, flags: str):
 
 
 def error_cases(bits, ts, B=2, Hq=32, Hkv=8, D=128, G=128):
-    """The precision tables' inputs (bench/fold_error.py, bench/int8_error.py): per (bits, T,
+    """The precision tables' inputs (bench/fold_error.py, bench/lowbit_error.py): per (bits, T,
     q std) yields (kb, T, std, q, cache, num_tokens, kernel kwargs, choose_tuning's tuning);
     ragged lengths, bf16 q of std 1 (flat attention) and 4 (peaked)."""
     for kb in bits:

@@ -1,4 +1,4 @@
-"""What the opt-in low-bit products (TuningConfig.int8_keys, fp8_values) add to KIVI's own
+"""What the opt-in low-bit product (TuningConfig.fp8_values) adds to KIVI's own
 error, on float K/V quantized by the library (not random codes).
 
     PYTHONPATH=. python3 bench/lowbit_error.py [--ts 8192,32768] [--kernel | --interpret]
@@ -32,8 +32,6 @@ from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
 VARIANTS = {  # TuningConfig fields over choose_tuning's (products on mma.sync since run 40)
     "default (mma.sync)": {}, "wgmma": dict(mma_sync=""),
     "fp8_values, keys mma.sync (low_precision)": dict(fp8_values=True, mma_sync="keys"),
-    "int8_keys + fp8_values (run-28 low_precision)": dict(int8_keys=True, fp8_values=True,
-                                                          mma_sync=""),
     "fold_k (mma.sync)": dict(fold_k=True),
     "fold_k + fp8_values": dict(fold_k=True, fp8_values=True, mma_sync="keys"),
     "no fold_k (mma.sync)": dict(fold_k=False),

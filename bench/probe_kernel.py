@@ -67,54 +67,11 @@ def ablations(kb, G, which="where"):
         rows.append(("W3 st3", dataclasses.replace(d3, stages=3), False))
         rows.append(("W3 compute-only", dataclasses.replace(d3, skip="loads"), False))
         return rows
-    if which == "i8":  # the key product on int8 tensor cores (K = 32)
-        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                              wg_per_block=3)
-        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
-                ("int8_keys W3", dataclasses.replace(d3, int8_keys=True), False),
-                ("int8_keys compute-only", r(int8_keys=True, skip="loads"), False),
-                ("compute-only", r(skip="loads"), False)]
-    if which == "f8":  # the value product on fp8 tensor cores (K = 32), with and without int8 keys
-        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                              wg_per_block=3)
-        both3 = dataclasses.replace(d3, int8_keys=True, fp8_values=True)
-        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
-                (f"i8k f8v W3 S{d3.num_splits}", both3, False),
-                ("i8k f8v W3 S12", dataclasses.replace(both3, num_splits=12), False),
-                ("f8v W3", dataclasses.replace(d3, fp8_values=True), False),
-                ("fp8_values", r(fp8_values=True), False),
-                ("int8_keys fp8_values", r(int8_keys=True, fp8_values=True), False),
-                ("i8k f8v S12", r(int8_keys=True, fp8_values=True, num_splits=12), False),
-                ("i8k f8v stages3", r(int8_keys=True, fp8_values=True, stages=3), False),
-                ("i8k f8v compute-only", r(int8_keys=True, fp8_values=True, skip="loads"),
-                 False),
-                ("i8k f8v pipeline-only", r(int8_keys=True, fp8_values=True, skip="compute"),
-                 False)]
-    if which == "f8b":  # int8_keys + fp8_values: splits, floors, bigger copies (run 26)
-        both = r(int8_keys=True, fp8_values=True)
-        b = lambda **k: dataclasses.replace(both, **k)
-        d3 = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                              wg_per_block=3)
-        both3 = dataclasses.replace(d3, int8_keys=True, fp8_values=True)
-        rows = [(f"i8k f8v S{S}", b(num_splits=S), False) for S in (6, 8, 12, 16, 18, 24)]
-        return rows + [
-            ("i8k f8v S12 compute-only", b(num_splits=12, skip="loads"), False),
-            ("i8k f8v S12 pipeline-only", b(num_splits=12, skip="compute"), False),
-            ("i8k f8v S12 512", b(num_splits=12, block_tokens=512), False),
-            ("i8k f8v S8 512", b(num_splits=8, block_tokens=512), False),
-            ("i8k f8v W3 S6", both3, False),
-            ("i8k f8v W3 S6 compute-only", dataclasses.replace(both3, skip="loads"), False),
-            ("i8k f8v W3 S6 pipeline-only", dataclasses.replace(both3, skip="compute"), False)]
-    if which == "f8c":  # final: each flag, both at choose_tuning's launch parameters (run 28)
-        fast = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                                int8_keys=True, fp8_values=True)
-        return [("default", d, False), ("int8_keys", r(int8_keys=True), False),
-                ("fp8_values", r(fp8_values=True), False),
-                (f"int8_keys fp8_values S{fast.num_splits}", fast, False),
-                ("int8_keys fp8_values S12", dataclasses.replace(fast, num_splits=12), False)]
+    # The int8-key sets of runs 21-28 ("i8", "f8", "f8b", "f8c") were removed with int8_keys
+    # (stop 19); they ran at the commits docs/performance.md names.
     if which == "mma":  # warp-level mma.sync against wgmma, exact and low-precision products
         fast = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G,
-                                int8_keys=True, fp8_values=True)
+                                fp8_values=True)
         m = lambda t, **k: dataclasses.replace(t, **{"mma_sync": "both", **k})
         rows = [("default", d, False), ("mma", m(d), False),
                 ("mma compute-only", m(d, skip="loads"), False)]
@@ -139,8 +96,7 @@ def ablations(kb, G, which="where"):
         if kb == 4:
             return [("mma W2 S8", m(wg_per_block=2, num_splits=8), False),
                     ("mma W1 S12", m(num_splits=12), False),
-                    ("mma keys + fp8 values", m(mma_sync="keys", fp8_values=True), False),
-                    ("int8 keys + mma values", m(mma_sync="values", int8_keys=True), False)]
+                    ("mma keys + fp8 values", m(mma_sync="keys", fp8_values=True), False)]
         return [("mma W3 S6", m(wg_per_block=3, num_splits=6), False),
                 ("mma W3 S12", m(wg_per_block=3, num_splits=12), False),
                 ("mma W2 S8", m(wg_per_block=2, num_splits=8), False),
@@ -152,7 +108,6 @@ def ablations(kb, G, which="where"):
                 ("mma keys + fp8 values", m(mma_sync="keys", fp8_values=True), False),
                 ("mma keys + fp8 values W3 S6",
                  m(mma_sync="keys", fp8_values=True, wg_per_block=3, num_splits=6), False),
-                ("int8 keys + mma values", m(mma_sync="values", int8_keys=True), False),
                 ("mma values only W3 S6", m(mma_sync="values", wg_per_block=3, num_splits=6),
                  False),
                 ("mma keys only W3 S6", m(mma_sync="keys", wg_per_block=3, num_splits=6),
@@ -258,7 +213,7 @@ def main():
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--only", default="", help="comma list of ablation names")
     ap.add_argument("--flags", default="",
-                    help="--mode one: TuningConfig overrides, e.g. int8_keys=1,num_splits=12")
+                    help="--mode one: TuningConfig overrides, e.g. fp8_values=1,num_splits=12")
     ap.add_argument("--set", default="where",
                     help="ablation set: where | regs | g32 | w8 | steps | floors | fv | fold "
                     "| lean | wg | i8 | f8 | f8b | f8c | mma | mma2 | mma3 | kfold | kfold2 | vsub")
