@@ -62,10 +62,12 @@ instructions per fp16 pair and plane (SASS, docs/performance.md runs 8-9); with 
 folded into P (G = D, below) the value fields take the `and` alone. The 8-bit fragment
 delivers the columns of every 16-block in the `_PERM16` order, so both contraction axes are
 permuted consistently: q's channels outside the kernel, P's tokens by the store that makes it
-the B operand, scale vectors by their loads. G = 32 tiles hold two groups: each warp loads the
-vectors of the group its rows belong to (`_vec_load`). Both are inline Mosaic GPU and do not
-interpret: under the interpreter the kernel widens with jnp (natural order) and selects the
-group per element, the same function. Opt-in TuningConfig flags (off by default; measured on
+the B operand, scale vectors by their loads. The cache order (docs/layout.md) gives warp w the
+16-token runs 64 w + 16 p + (0..15) of a 256-token block's planes p, so the rows of a 64-row
+key tile lie in up to four key groups, one per warp: each warp loads the vectors of its own
+(`_warp_groups`, `_vec_load` with rows). Both are inline Mosaic GPU and do not interpret: under
+the interpreter the kernel widens with jnp (natural order) and selects the group per 16-row
+block, the same function. Opt-in TuningConfig flags (off by default; measured on
 the H200 in docs/performance.md, runs 6 to 9, none faster than this default):
 `reload_codes` and `lean_values` keep fewer tiles live, `k_chunks` splits the key product over
 the head dim, `sub_tokens` sets the tokens per softmax update.
@@ -161,7 +163,8 @@ class TuningConfig:
       kernel's own pipeline only) computes every step on the slots the prologue filled,
       without copies or barrier waits in the loop (the compute floor without the copies'
       issue), "groups" (fold_k on mma.sync) scales every plane of a step by its first
-      plane's key vectors (the per-group work of one group per step: wrong numbers, its cost).
+      plane's per-warp key vectors (one group per warp and step: at G >= 64 what the kernel
+      does anyway, at G = 32 one instead of two; wrong numbers there, the cost).
     fold_k: fold the key scale into q per token group, with the key product on mma.sync
       (`_folds_keys_mma`, any G; `choose_tuning` turns it on there; ignored with the keys on
       wgmma): code fields as fp16 subnormals, B = fp16(q * s_g) per register and warp (each
@@ -189,9 +192,10 @@ class TuningConfig:
       twice the wgmmas).
     sub_tokens: tokens per compute sub-step (256 or 512; at most block_tokens): one softmax
       update (cross-warp max, P through SMEM) per sub-step.
-    warp_groups: G = 32 (two groups per 64-row tile): each warp loads the scale and minimum
-      vectors of its own group (`_vec_load`) instead of both groups' vectors and a
-      select per element. On by default; the interpreter always takes the selects.
+    warp_groups: a 64-row tile over several groups (keys: whenever G < 256, the cache order;
+      values: G < 64 channels): each warp loads the scale and minimum vectors of its own group
+      (`_vec_load`) instead of every group's vectors and a select per element. On by default;
+      the interpreter always takes the selects.
     widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
