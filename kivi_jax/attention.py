@@ -238,7 +238,7 @@ def decode_attention(
     q: [B, Hq, D] with Hq a multiple of the cache's Hkv (GQA); attends to positions
     [0, lengths[b]) of each row (ragged rows masked); float32 math; returns [B, Hq, D] in
     q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode_sm90.TuningConfig`
-    for the Pallas kernel (launch parameters and opt-in flags such as int8_keys; default: its
+    for the Pallas kernel (launch parameters and opt-in flags such as fp8_values; default: its
     heuristic; the "-lowp" implementations turn its fp8_values on). Raises
     ValueError for bad shapes or an unknown implementation,
     NotImplementedError where "pallas" does not apply.
