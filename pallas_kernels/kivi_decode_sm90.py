@@ -27,11 +27,13 @@ On mma.sync the default takes no dequantization at all beyond one `and` per elem
 code bytes are widened without exponent bits, so that a code field masked in place is the fp16
 *subnormal* code * 2^(bits*j - 24) (`_field_sub`, exact, no offset; tensor cores take fp16
 subnormals as they are). Keys (`fold_k`, `kfold_scores`): B = fp16(q * s_g) is one fp16x2
-multiply per register of q's B operand (`_scale_rhs`), q . z_g comes from one more mma.sync per
-two planes (`_rows_of`: rows 0-7 one group's minimums, rows 8-15 another's), and the scores are
-acc * 2^(24 - bits*j) + q . z_g. Values (`subnormal_values`): B = P * s_t * 2^(14 - bits*j)
-against a running max over logit + log2 s_t (`val_prep`, as fp8_values does), which weighs
-every plane's codes alike. The magic-number fields below remain for wgmma and the opt-outs.
+multiply per register of q's B operand (`_scale_rhs`) per group of the warp's rows (one per
+256-token block at G >= 64 in the cache order, two at G = 32), q . z_g comes from one more
+mma.sync per two such groups (`_rows_of`: rows 0-7 one group's minimums, rows 8-15 another's),
+and the scores are acc * 2^(24 - bits*j) + q . z_g. Values (`subnormal_values`): B = P * s_t *
+2^(14 - bits*j) against a running max over logit + log2 s_t (`val_prep`, as fp8_values does),
+which weighs every plane's codes alike. The magic-number fields below remain for wgmma and the
+opt-outs.
 
 Around the products (runs 52-55; 2-bit G=128 0.249 -> 0.231 ms): a 256-token sub-step passes
 two warpgroup barriers, the cross-warp max's (`_wg_max_open`) and the one before P is read
