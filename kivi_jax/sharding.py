@@ -29,6 +29,9 @@ LOGICAL_AXES = (
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {"batch": "data", "kv_heads": "model"}
 
 # Long context: the token axes split over "seq" too (each device holds a slice of every row).
+# The cache permutes tokens only within blocks of 256 (the cache order, docs/layout.md), so with
+# a capacity that is a multiple of 256 x the "seq" size every shard holds whole blocks and a
+# token's codes, scales and minimums live on the device that holds its position.
 LONG_CONTEXT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "data",
     "kv_heads": "model",
