@@ -394,6 +394,25 @@ def test_key_fold_gating():
     assert not ct(8, 8, 131072, mma_sync="").fold_k
 
 
+def test_kernel_token_map_is_the_cache_order():
+    """The kernel's view of a sub-step (`_plane_tokens` for the ragged mask, `_warp_groups` for
+    the key vectors) is kivi_jax's cache order: row r of plane p is slot 64 p + r, which holds
+    token cache_slot(64 p + r); warp w's rows 16 w .. 16 w + 15 of plane p lie in one key group."""
+    from kivi_jax.quant import cache_slot
+
+    rows = np.arange(64)
+    for p in range(8):  # two 256-token blocks (sub_tokens=512)
+        tok = np.asarray(kd._plane_tokens(p, jnp.asarray(rows, jnp.int32)))
+        np.testing.assert_array_equal(tok, cache_slot(64 * p + rows))
+        for G in (32, 64, 128):
+            for w, g in enumerate(kd._warp_groups(p, G)):
+                assert set(tok[16 * w:16 * w + 16] // G) == {g}, (p, G, w)
+    # one group per warp and block at G >= 64, two at G = 32
+    for G, n in ((128, 1), (64, 1), (32, 2)):
+        for w in range(4):
+            assert len({kd._warp_groups(p, G)[w] for p in range(4)}) == n
+
+
 def test_subnormal_code_fields():
     """`_field_sub`: every code of every field, masked in place from a byte widened without
     exponent bits, is the fp16 subnormal code * 2^(bits j - 24), and a product over it times
