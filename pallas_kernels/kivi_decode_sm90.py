@@ -1240,6 +1240,15 @@ def _plane_tokens(p: int, rows):
     return _CACHE_BLOCK * (p // 4) + 16 * (p % 4) + rows + 48 * lax.div(rows, 16)
 
 
+def _warp_vec_load(at, groups: tuple[int, ...], **kw):
+    """The vector of group groups[w] in each warp w (`_vec_load`): `at(g)` the (X,) vector of
+    group g, `at(g, n)` the (n, X) rows of groups g .. g+n-1."""
+    g0 = min(groups)
+    if len(set(groups)) == 1:
+        return _vec_load(at(g0), **kw)
+    return _vec_load(at(g0, max(groups) - g0 + 1), rows=tuple(g - g0 for g in groups), **kw)
+
+
 def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, key,
                 per_warp: bool = False, perm: bool = False):
     """Scale and minimum of a (64, X) tile whose rows 16 w .. 16 w + 15 lie in group groups[w]
@@ -1257,13 +1266,11 @@ def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, k
 
     if len(set(groups)) == 1:
         return vec(scale_at, groups[0]), vec(min_at, groups[0])
-    g0 = min(groups)
     if per_warp:
         def wvec(at):
             k = (key, at is min_at, groups, "warp")
             if k not in cache:
-                cache[k] = _vec_load(at(g0, max(groups) - g0 + 1),
-                                     rows=tuple(g - g0 for g in groups), perm=perm)
+                cache[k] = _warp_vec_load(at, groups, perm=perm)
             return lax.broadcast_in_dim(cache[k], shape, [1])
         return wvec(scale_at), wvec(min_at)
     blk = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WG), 16)
@@ -1554,11 +1561,7 @@ def _make_kernel(
                 def vec(which, gs):
                     """The scale or minimum vector of the groups gs (one per warp)."""
                     if (which, gs) not in vecs:
-                        g0 = min(gs)
-                        vecs[which, gs] = (
-                            _vec_load(v[which](g0), perm=w8, wide=wide) if len(set(gs)) == 1
-                            else _vec_load(v[which](g0, max(gs) - g0 + 1),
-                                           rows=tuple(g - g0 for g in gs), perm=w8, wide=wide))
+                        vecs[which, gs] = _warp_vec_load(v[which], gs, perm=w8, wide=wide)
                     return vecs[which, gs]
 
                 uniq = list(dict.fromkeys(key))
