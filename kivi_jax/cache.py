@@ -34,6 +34,8 @@ from kivi_jax.quant import (
     codes_per_byte,
     minmax_quantize,
     pack_tokens,
+    swap_bytes,
+    swapped_byte,
     to_cache_order,
 )
 
@@ -181,10 +183,11 @@ class QuantizedStore:
     # which is how a write is skipped for rows that do not flush, or past capacity.
 
     def _add_codes(self, layer, b, rows, vals) -> Array:
-        """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer."""
-        if self.transposed:
-            return self.codes.at[layer, b, :, :, rows].add(vals, mode="drop")
-        return self.codes.at[layer, b, :, rows, :].add(vals, mode="drop")
+        """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
+        (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`)."""
+        if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
+            return self.codes.at[layer, b, :, :, swapped_byte(rows)].add(vals, mode="drop")
+        return self.codes.at[layer, b, :, rows, :].add(swap_bytes(vals, -1), mode="drop")
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
         if self.axis == "channel":
@@ -365,9 +368,9 @@ class QuantizedStore:
         tc = jnp.clip(t, 0, tq - 1)
         rows, shifts = token_rows(tc, self.bits)
         if self.transposed:
-            packed = self.codes[layer, b, :, :, rows]  # [B, N, H, D]
+            packed = self.codes[layer, b, :, :, swapped_byte(rows)]  # [B, N, H, D]
         else:
-            packed = self.codes[layer, b, :, rows, :]
+            packed = swap_bytes(self.codes[layer, b, :, rows, :], -1)
         codes = (packed >> shifts[..., None, None]) & jnp.uint8((1 << self.bits) - 1)
         g = self.group_size
         if self.axis == "channel":

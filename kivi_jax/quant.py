@@ -17,6 +17,11 @@ the *cache order* (`cache_slot`): within each block of 256 tokens, token 64a + 1
 4, c < 16) sits in slot 64b + 16a + c. A kernel's warp that holds rows 16a .. 16a + 15 of every
 plane of a block then holds the 64 consecutive tokens 64a .. 64a + 63, one key group (G >= 64)
 or two (G = 32) instead of one per plane (`pack_tokens`, `unpack_tokens`; docs/layout.md).
+Last, in every stored row of code bytes (keys: along D; values: along the packed token
+columns) the two middle bytes of each 4-byte group are swapped (`swap_bytes`): a kernel then
+widens a 32-bit word of codes into fp16 pairs (b0, b2), (b1, b3) as the word itself and the
+word shifted right by 8, the code field masks clearing the other byte, and those pairs are the
+elements (4k, 4k + 1), (4k + 2, 4k + 3) of the row.
 """
 
 from __future__ import annotations
@@ -99,15 +104,37 @@ def to_cache_order(x, axis: int):
     return jnp.take(x, cache_slot(np.arange(n)), axis=axis)
 
 
+def swapped_byte(i):
+    """Where byte i of a stored code row sits (and which byte sits at i: an involution): the
+    two middle bytes of every 4-byte group swapped, 4k + 1 <-> 4k + 2. Ints or int arrays."""
+    return i + (i & 1) - ((i >> 1) & 1)
+
+
+def swap_bytes(x, axis: int = -1):
+    """x with bytes 4k + 1 and 4k + 2 of `axis` (a multiple of 4 long) swapped (an involution):
+    the byte order of the KV cache's stored code rows (module doc)."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+    n = x.shape[-1]
+    if n % 4:
+        raise ValueError(f"a stored code row must be a multiple of 4 bytes long, got {n}")
+    # slices, not a gather: no index constant (usable inside a Pallas kernel's interpreter)
+    q = x.reshape(*x.shape[:-1], n // 4, 4)
+    q = jnp.stack([q[..., 0], q[..., 2], q[..., 1], q[..., 3]], axis=-1)
+    return jnp.moveaxis(q.reshape(x.shape), -1, axis)
+
+
 def pack_tokens(codes: Array, bits: int, *, axis: int) -> Array:
-    """Codes [..., T, ...] (T % 256 == 0, tokens in order along `axis`) packed as the KV cache
-    holds them: in the cache order, token-planar with 64-token planes (module doc)."""
-    return pack(to_cache_order(codes, axis), bits, axis=axis, plane=CACHE_PLANE)
+    """Codes [..., T, ...] (T % 256 == 0, tokens in order along `axis`; the last axis of the
+    packed array a multiple of 4) packed as the KV cache holds them: in the cache order,
+    token-planar with 64-token planes, the middle bytes of every 4-byte group of a row (the
+    last axis) swapped (module doc)."""
+    return swap_bytes(pack(to_cache_order(codes, axis), bits, axis=axis, plane=CACHE_PLANE), -1)
 
 
 def unpack_tokens(packed: Array, bits: int, *, axis: int) -> Array:
     """Inverse of `pack_tokens`: uint8 codes with the tokens in order along `axis`."""
-    return to_cache_order(unpack(packed, bits, axis=axis, plane=CACHE_PLANE), axis)
+    return to_cache_order(unpack(swap_bytes(packed, -1), bits, axis=axis, plane=CACHE_PLANE),
+                          axis)
 
 
 def _round_toward(x: Array, dtype, direction: float) -> Array:

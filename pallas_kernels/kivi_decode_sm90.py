@@ -201,7 +201,10 @@ class TuningConfig:
     widen8: widen code bytes from the 8-bit fragment layout with one byte permute per fp16
       pair (`_widen8`): the contraction axes come out permuted within 16-blocks (`_PERM16`),
       matched by q permuted outside the kernel and P stored permuted; code tiles swizzled in
-      SMEM. Native only (not with p_direct, p_concat, k_chunks=2).
+      SMEM. Native only (not with p_direct, p_concat, k_chunks=2), and natively required: it is
+      what undoes the cache's stored byte order (`kivi_jax.quant.swap_bytes`), so the
+      natural-order options (widen8=False, p_direct, p_concat, k_chunks=2) run only under the
+      interpreter (`_kernel_call` raises NotImplementedError otherwise).
     fp8_values: the value product on fp8 tensor cores (wgmma K = 32: half the value wgmmas) at
       G = D, opt-in: A = the value code field as an e4m3 *subnormal* straight from the code
       bytes (byte b <= 15 is the e4m3 number b * 2^-9, so a field masked in place is
@@ -595,11 +598,16 @@ def _lane_warp():
 
 def _widen8(codes_ref, transforms, exponent: bool = True):
     """(64, X) uint8 code tile in SMEM -> (64, X) uint16 in the WGMMA layout, every byte widened
-    with the exponent bits set (as `_widen_codes`; exponent=False: zero high bytes, for
+    with the exponent bits set (as `_widen_codes`; exponent=False: the high bytes undefined, for
     `_field_sub`), columns in the `_PERM16` order.
 
     The bytes are loaded in the 8-bit WGMMA layout (four consecutive bytes of a row per
-    register); one `prmt` per output register interleaves two of them with the exponent byte.
+    register, stored as the cache stores them, the middle two swapped: `kivi_jax.quant.
+    swap_bytes`), so a register's fp16 pairs (b0, b2) and (b1, b3) are the row's elements
+    (4k, 4k + 1) and (4k + 2, 4k + 3): one `prmt` per output register interleaves them with the
+    exponent byte, or, without exponent bits, the register itself and the register shifted
+    right by 8 are the pairs (the other byte of each 16-bit lane is left there: every code
+    field mask clears it, `_field_sub`): one instruction per two output registers.
     Mosaic's own u8 -> u16 relayout into the natural order costs about three byte permutes and
     an or per output register (SASS, docs/performance.md run 8). `transforms`: the tile's SMEM
     tiling and swizzle (unswizzled 64- or 128-byte rows put the eight rows of an 8x16-byte
@@ -621,9 +629,12 @@ def _widen8(codes_ref, transforms, exponent: bool = True):
         out = np.empty((1, X // 8, *regs.shape[2:]), dtype=object)
         for idx in np.ndindex(regs.shape):
             w = mgpu_utils.bitcast(regs[idx], i32)
-            for half, sel in ((0, 0x4140), (1, 0x4342)):  # bytes (0, 1) / (2, 3) of w
-                r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(high),
-                                          _i32(sel), result_types=i32)
+            for half, sel in ((0, 0x4240), (1, 0x4341)):  # stored bytes (0, 2) / (1, 3) of w
+                if exponent:
+                    r = mgpu_utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", w, _i32(high),
+                                              _i32(sel), result_types=i32)
+                else:  # bytes 0, 2 in place; bytes 1, 3 shifted into place
+                    r = w if half == 0 else arith.shrui(w, _i32(8))
                 out[(idx[0], 2 * idx[1] + half, *idx[2:])] = mgpu_utils.bitcast(r, pair_ty)
         return mgpu_fa.FragmentedArray(_registers=out, _layout=mgpu_fa.WGMMA_LAYOUT,
                                        _is_signed=False)
@@ -743,8 +754,9 @@ def _f8_field_spec(bits: int, j: int):
 
 def _code_field8(x8, spec, dtype):
     """Code field (shift, mask, _) = spec (`_f8_field_spec`) of a (64, X) uint8 tile in the
-    8-bit WGMMA layout as the float8_e4m3fn A operand: one and (plus one shift for a shifted
-    field) per register of four bytes. Not interpretable (inline Mosaic GPU)."""
+    8-bit WGMMA layout (as stored: the middle bytes of every four swapped) as the float8_e4m3fn
+    A operand in the natural column order: one byte permute, one and (plus one shift for a
+    shifted field) per register of four bytes. Not interpretable (inline Mosaic GPU)."""
     shift, mask, _ = spec
     W8 = plgpu.Layout.WGMMA_8BIT
 
@@ -756,7 +768,8 @@ def _code_field8(x8, spec, dtype):
         out = np.empty(xa.registers.shape, dtype=object)
         for idx in np.ndindex(xa.registers.shape):
             reg = xa.registers[idx]
-            w = mgpu_utils.bitcast(reg, i32)
+            w = mgpu_utils.inline_ptx("prmt.b32 $0, $1, 0, 0x3120;",
+                                      mgpu_utils.bitcast(reg, i32), result_types=i32)
             if shift:
                 w = arith.shrui(w, _i32(shift))
             w = arith.andi(w, _i32(mask * 0x01010101))
@@ -768,10 +781,19 @@ def _code_field8(x8, spec, dtype):
 
 
 def _code_field8_reference(x8, spec, dtype):
-    """`_code_field8` in jnp (the interpreter's path): x8 (64, X) uint8."""
+    """`_code_field8` in jnp (the interpreter's path): x8 (64, X) uint8 as stored."""
     shift, mask, _ = spec
+    x8 = _natural_bytes(x8)
     return lax.bitcast_convert_type(((x8.astype(jnp.int32) >> shift) & mask).astype(jnp.uint8),
                                     dtype)
+
+
+def _natural_bytes(x8):
+    """A code tile's last axis from the cache's stored byte order (`kivi_jax.quant.swap_bytes`)
+    to the natural one, in jnp: the interpreter's paths and the natural-order ones."""
+    from kivi_jax.quant import swap_bytes
+
+    return swap_bytes(x8, -1)
 
 
 def _wg_reduce(x, kind: str, scratch_ref):
@@ -914,11 +936,12 @@ def _warp_value_codes(codes_ref, transforms, m: int, col0: int):
         base = mgpu_utils.memref_ptr(ref)
         g, c = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
         col = arith.addi(_i32(col0), arith.muli(warp, _i32(16)))
-        # bytes 2c, 2c + 1 of the eight in (w0, w1) (resp. (w2, w3)) into the low bytes of two
-        # 16-bit lanes: prmt selector nibbles (2c, 2c, 2c + 1, 2c + 1)
-        c2 = arith.muli(c, _i32(2))
-        sel = arith.addi(arith.muli(c2, _i32(0x0011)), arith.muli(arith.addi(c2, _i32(1)),
-                                                                   _i32(0x1100)))
+        # columns 2c, 2c + 1 of the eight in (w0, w1) (resp. (w2, w3)), stored at bytes
+        # f = 2c - c % 2 and f + 2 (the middle bytes of every four swapped), into the low bytes
+        # of two 16-bit lanes: prmt selector nibbles (f, f, f + 2, f + 2)
+        f = arith.subi(arith.muli(c, _i32(2)), arith.andi(c, _i32(1)))
+        sel = arith.addi(arith.muli(f, _i32(0x0011)), arith.muli(arith.addi(f, _i32(2)),
+                                                                  _i32(0x1100)))
         regs = np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape((PLANE, 16)), dtype=object)
         at = {mgpu_fa.WGMMA_LAYOUT.tiling.untile_indices(i): i for i in np.ndindex(regs.shape)}
         for r0 in (0, 8):
@@ -1319,12 +1342,12 @@ def _make_kernel(
         widen_k = functools.partial(_widen8, transforms=_swz(jnp.uint8, D))
         widen_v = functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE))
     else:
-        widen_k = widen_v = lambda ref: _widen_codes(ref[...])
+        widen_k = widen_v = lambda ref: _widen_codes(_natural_bytes(ref[...]))
     # kfold: the key code bytes widened without exponent bits (fields as fp16 subnormals)
     widen_k0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, D), exponent=False) if w8
-                else lambda ref: ref[...].astype(jnp.uint16))
+                else lambda ref: _natural_bytes(ref[...]).astype(jnp.uint16))
     widen_v0 = (functools.partial(_widen8, transforms=_swz(jnp.uint8, PLANE), exponent=False)
-                if w8 else lambda ref: ref[...].astype(jnp.uint16))
+                if w8 else lambda ref: _natural_bytes(ref[...]).astype(jnp.uint16))
     extra_names = ["vd8_s"] if f8v else []
     W = tuning.wg_per_block
     mmk = tuning.mma_sync in ("keys", "both")  # key product on mma.sync
@@ -2048,6 +2071,11 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     else:
         L, B, Hq, Hkv, D, Tq = _check_inputs(q, *cache, num_tokens, layer, key_bits, value_bits,
                                              group_size)
+    if interpret is False and not _uses_widen8(tuning, False):
+        raise NotImplementedError(
+            f"tuning={tuning}: the natural-order paths (widen8=False, p_direct, p_concat, "
+            "k_chunks=2) run only under the interpreter: natively only the widen8 path undoes "
+            "the cache's stored byte order (kivi_jax.quant.swap_bytes)")
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
     NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)

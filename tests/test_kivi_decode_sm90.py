@@ -276,7 +276,13 @@ def test_interpret_tuning_flags_match_reference(case):
     _run_case(case, seed=11, interpret=plgpu.InterpretGPUParams(detect_races=True))
 
 
-@pytest.mark.parametrize("case", FLAG_CASES, ids=FLAG_IDS)
+# natively only the widen8 path undoes the cache's stored byte order (the natural-order paths
+# run under the interpreter only: test_native_only_paths_are_gated)
+NATIVE = [i for i, c in enumerate(FLAG_CASES) if kd._uses_widen8(c[-1], False)]
+
+
+@pytest.mark.parametrize("case", [FLAG_CASES[i] for i in NATIVE],
+                         ids=[FLAG_IDS[i] for i in NATIVE])
 def test_tuning_flags_cross_lower_for_sm90(case):
     _cross_lower(case)
 
@@ -300,6 +306,36 @@ def test_widen8_contraction_order():
                                   np.concatenate([np.asarray(perm) + 16 * b for b in range(3)]))
 
 
+def test_stored_byte_order_gives_the_natural_pairs():
+    """A 32-bit word of a stored code row holds the row's bytes (x0, x2, x1, x3) (the cache
+    swaps the middle two, `kivi_jax.quant.swap_bytes`): as 16-bit lanes the word itself and the
+    word shifted right by 8 are the pairs (x0, x1), (x2, x3) under the low-byte field masks
+    (`_widen8` without exponent bits), prmt selectors 0x4240 / 0x4341 pick the same pairs (with
+    exponent bits), 0x3120 restores (x0, x1, x2, x3) (`_code_field8`), and the per-warp loads of
+    `_warp_value_codes` find columns 2c, 2c + 1 at bytes 2c - c % 2 and + 2."""
+    from kivi_jax.quant import swap_bytes
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (64, 8), dtype=np.uint8)
+    stored = np.asarray(swap_bytes(x, -1))
+    word = lambda r, k: int.from_bytes(bytes(stored[r, 4 * k:4 * k + 4]), "little")
+    byte = lambda w, i: (w >> (8 * i)) & 0xFF
+    prmt = lambda w, sel: sum(byte(w, (sel >> (4 * i)) & 0xF) << (8 * i) for i in range(4))
+    for r in range(64):
+        for k in range(2):
+            w, nat = word(r, k), x[r, 4 * k:4 * k + 4]
+            lanes = lambda v: (v & 0xFF, (v >> 16) & 0xFF)  # low bytes of the two lanes
+            assert lanes(w) == (nat[0], nat[1]) and lanes(w >> 8) == (nat[2], nat[3])
+            assert lanes(prmt(w, 0x4240)) == (nat[0], nat[1])  # high bytes: the exponent
+            assert lanes(prmt(w, 0x4341)) == (nat[2], nat[3])  # byte (index 4, zero here)
+            assert prmt(w, 0x3120).to_bytes(4, "little") == bytes(nat)
+        pair = int.from_bytes(bytes(stored[r, :8]), "little")  # (w0, w1) as 8 bytes
+        for c in range(4):
+            f = 2 * c - c % 2
+            assert ((pair >> (8 * f)) & 0xFF, (pair >> (8 * f + 16)) & 0xFF) == (x[r, 2 * c],
+                                                                                x[r, 2 * c + 1])
+
+
 def test_native_only_paths_are_gated():
     """widen8 (and the per-warp vectors) are inline Mosaic GPU: never under the interpreter, and
     widen8 not where the operands stay in the natural order or the key rows are chunked."""
@@ -309,6 +345,13 @@ def test_native_only_paths_are_gated():
     for flags in (dict(p_direct=True), dict(p_concat=True), dict(k_chunks=2),
                   dict(widen8=False)):
         assert not kd._uses_widen8(TC(**flags), False), flags
+        # natively only widen8 undoes the cache's stored byte order: the others interpret only
+        B, Hq, Hkv, D, Tq, kb, vb, G = 1, 4, 2, 128, 256, 2, 2, 128
+        cache = make_cache(0, 1, B, Hkv, D, Tq, kb, vb, G)
+        with pytest.raises(NotImplementedError, match="interpreter"):
+            kd.kivi_decode(make_q(1, B, Hq, D, jnp.float16), *cache, jnp.array([256], jnp.int32),
+                           jnp.int32(0), key_bits=kb, value_bits=vb, group_size=G,
+                           sm_scale=0.1, tuning=TC(**flags))
 
 
 def test_value_fold_gating():
@@ -444,6 +487,7 @@ def test_fp8_value_gating_and_fields():
             # the field in place, every other bit of the byte set: the mask must clear them
             byte = codes << (bits * j) | (0xFF ^ ((2 ** bits - 1) << (bits * j)))
             x8 = jnp.asarray(np.broadcast_to(byte.astype(np.uint8), (4, len(codes))))
+            x8 = kd._natural_bytes(x8)  # as the cache stores a row (an involution)
             val = np.asarray(kd._code_field8_reference(x8, kd._f8_field_spec(bits, j), f8)
                              .astype(jnp.float32))[0]
             np.testing.assert_array_equal(val, codes * weight * 2.0 ** -9, err_msg=f"{bits} {j}")
@@ -577,9 +621,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 128, jnp.float16, TW(512, 3, 2)),
     (2, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16, TW(1024, 2, 2)),
     (2, 72, 4, 128, 4096, 2, 2, 64, jnp.float16, None),
-    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
-     TW(512, 4, 2, k_chunks=2, sub_tokens=512, lean_values=True)),
-    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, k_chunks=2, lean_values=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16, TW(512, 4, 2, sub_tokens=512, lean_values=True)),
+    (2, 32, 8, 128, 8192, 4, 4, 128, jnp.bfloat16, TW(256, 4, 2, lean_values=True)),
     # G = 32 with per-element selects instead of the per-warp group vectors of the default.
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TW(256, 4, 2, warp_groups=False)),
     # G = D with the scales applied to the codes (fold_v off); 4-bit; fewer live tiles.

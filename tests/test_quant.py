@@ -14,6 +14,7 @@ from kivi_jax.quant import (
     minmax_quantize,
     pack,
     pack_tokens,
+    swapped_byte,
     to_cache_order,
     unpack,
     unpack_tokens,
@@ -73,15 +74,30 @@ def test_cache_order_is_an_involution_giving_each_warp_consecutive_tokens():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_token_packing_is_the_cache_order_then_token_planar(bits):
+    """Token t sits in slot cache_slot(t), packed token-planar; in every stored row (the last
+    axis) the middle bytes of each four are swapped."""
     per = 8 // bits
-    codes = np.random.default_rng(bits).integers(0, 2**bits, (512, 3), dtype=np.uint8)
+    codes = np.random.default_rng(bits).integers(0, 2**bits, (512, 8), dtype=np.uint8)
     packed = np.asarray(pack_tokens(codes, bits, axis=0))
+    cols = [0, 2, 1, 3, 4, 6, 5, 7]  # where column c of a row is stored
+    assert [int(swapped_byte(c)) for c in range(8)] == cols
     for t in (0, 1, 15, 16, 17, 63, 64, 100, 255, 256, 300, 511):
         s = int(cache_slot(t))
         byte = (s // (per * 64)) * 64 + s % 64
         j = (s // 64) % per
-        np.testing.assert_array_equal((packed[byte] >> (bits * j)) & (2**bits - 1), codes[t])
+        np.testing.assert_array_equal((packed[byte, cols] >> (bits * j)) & (2**bits - 1),
+                                      codes[t])
     np.testing.assert_array_equal(unpack_tokens(packed, bits, axis=0), codes)
+    # values: the packed axis is the row
+    packed_t = np.asarray(pack_tokens(codes.T, bits, axis=1))
+    for t in (0, 1, 17, 300):
+        s = int(cache_slot(t))
+        byte = (s // (per * 64)) * 64 + s % 64
+        np.testing.assert_array_equal(
+            (packed_t[:, int(swapped_byte(byte))] >> (bits * ((s // 64) % per))) & (2**bits - 1),
+            codes[t])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_tokens(codes[:, :3], bits, axis=0)
 
 
 @SETTINGS
