@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run 88 (one device call): V codes in 64-column blocks [.., Tq/(64 Pv), D, 64] (one contiguous
+# Run 88 (one device call; needs commit ca538ef, whose kernel and bench/point_compare.py take the
+# "vblock" variant; reverted after this run): V codes in 64-column blocks [.., Tq/(64 Pv), D, 64] (one contiguous
 # 8 KiB block per 256 2-bit tokens instead of 128 rows of 64 bytes 32 KiB apart; runs 74-75 put
 # the 2-bit load pipeline at 0.156 ms on it against 0.175-0.188): the kernel over both layouts
 # (bit-identical, against the twin), an A/B at the anchor, the floors (skip=copies: compute
