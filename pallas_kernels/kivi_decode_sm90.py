@@ -259,6 +259,17 @@ class TuningConfig:
       uniform registers, its arrival) lengthens every warp's step. Native only.
     vec64: the key scale and minimum vectors of fold_k loaded two registers per 64-bit load
       (`_pairs64`) instead of one per 32-bit load.
+    fold_v_warp: with the value product on mma.sync and several channel groups per token (G <
+      D, where fold_v does not apply), fold the value scale into each warp's B operand: warp w
+      takes the channels (D/4) w .. (D/4) (w + 1) - 1 of the value tiles (`_widen8` with
+      warp_rows), which lie in one group g_w (G >= D/4), so its B is fp16(P * s_{g_w,t})
+      (one fp16x2 multiply per register, `_scale_rhs`), the code fields enter as fp16
+      subnormals (`_field_sub`: one and per element pair, no offset, no scale, no minimum),
+      and q . z becomes sum_t z_{g_w,t} P_t from one more mma.sync per plane whose A rows are
+      the minimums (`_rows_of`). P is stored as P * 2^(_VW_C - bits j) so that the subnormal
+      fields of every plane weigh alike; B stays finite while s * P * 2^_VW_C < 65504, i.e.
+      value scales below 4096 (a 2-bit group spanning 12288, a 4-bit one 61440). The output
+      rows come out in that channel order and are put back by `_kivi_decode`. Native only.
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -291,6 +302,7 @@ class TuningConfig:
     release_slots: bool = False
     spread_copies: bool = False
     vec64: bool = False
+    fold_v_warp: bool = True
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -387,6 +399,29 @@ def _warp_softmax(tuning: TuningConfig, group_size: int, head_dim: int, interpre
     return bool(tuning.warp_softmax and tuning.mma_sync == "both" and fv
                 and tuning.subnormal_values and _uses_widen8(tuning, interpret)
                 and tuning.block_tokens <= tuning.sub_tokens)
+
+
+def _folds_values_warp(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
+                       stage_smem: bool = False) -> bool:
+    """Whether each warp folds the value scale of its own channel group into its B operand
+    (`TuningConfig.fold_v_warp`): the value product on mma.sync with the widen8 path, several
+    channel groups per token (G < D) and each warp's D/4 channels in one (G >= D/4); not
+    where the per-warp softmax or fold_v already fold it (G = D)."""
+    return bool(tuning.fold_v_warp and tuning.mma_sync in ("values", "both")
+                and _uses_widen8(tuning, interpret) and not stage_smem
+                and head_dim // 4 <= group_size < head_dim)
+
+
+def value_channel_order(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
+                        stage_smem: bool = False):
+    """The channel of each output row of the kernel's partial outputs (None: the natural
+    order): with `fold_v_warp`, row 64 m + 16 w + i of value tile m holds channel (D/4) w +
+    16 m + i."""
+    if not _folds_values_warp(tuning, group_size, head_dim, interpret, stage_smem):
+        return None
+    D = head_dim
+    return np.array([(D // 4) * w + 16 * m + i for m in range(D // PLANE) for w in range(4)
+                     for i in range(16)])
 
 
 def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
@@ -516,6 +551,11 @@ _EXP_BITS = 0x7C00  # the five exponent bits of an fp16 bit pattern
 # vsub (fold_v on mma.sync): B = P * s_t * 2^(_VSUB_C - bits j) relative to the running max of
 # P * s_t stays <= 2^14 (fp16 range) and normal down to 2^-22 (2-bit) / 2^-24 (4-bit) of it.
 _VSUB_C = 14
+# fold_v_warp: P is stored as P * 2^(_VW_C - bits j), so that with subnormal code fields
+# (weight 2^(bits j - 24)) every plane's product weighs 2^(_VW_C - 24); B = P * s * 2^(_VW_C -
+# bits j) <= 2^_VW_C s stays finite for value scales below 2^(16 - _VW_C) and normal down to
+# P * s = 2^-14 (2^-12 at the 2-bit field 3).
+_VW_C = 4
 _RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
 # warp_softmax: the running max may lag the true one by this much (log2 units) before the
 # accumulators are rescaled (`_lazy_rescale`); B = P * s_t * 2^(_VSUB_C - slack - bits j) then
@@ -596,7 +636,7 @@ def _lane_warp():
     return arith.andi(tid, _i32(31)), arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
 
 
-def _widen8(codes_ref, transforms, exponent: bool = True):
+def _widen8(codes_ref, transforms, exponent: bool = True, warp_rows=None):
     """(64, X) uint8 code tile in SMEM -> (64, X) uint16 in the WGMMA layout, every byte widened
     with the exponent bits set (as `_widen_codes`; exponent=False: the high bytes undefined, for
     `_field_sub`), columns in the `_PERM16` order.
@@ -613,6 +653,9 @@ def _widen8(codes_ref, transforms, exponent: bool = True):
     tiling and swizzle (unswizzled 64- or 128-byte rows put the eight rows of an 8x16-byte
     fragment into the same banks: measured 6x the ideal shared-memory wavefronts). Not
     interpretable.
+
+    warp_rows (a, b): codes_ref holds more than 64 rows and warp w's 16 rows of the tile are
+    its rows a w + b .. a w + b + 15 (multiples of 8), by a per-warp slice of the tiled ref.
     """
     swizzle = transforms[1].swizzle
     X = codes_ref.shape[-1]
@@ -620,6 +663,12 @@ def _widen8(codes_ref, transforms, exponent: bool = True):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),),
                        return_type=plgpu.ShapeDtypeStruct((PLANE, X), jnp.uint16, layout=_WG))
     def widen(_, ref):
+        if warp_rows is not None:  # rows a w + b - 16 w .. + 63: warp w's 16 at a w + b
+            a, b = warp_rows
+            _, warp = _lane_warp()
+            t0 = arith.addi(arith.muli(warp, _i32((a - 16) // 8)), _i32(b // 8))
+            ref = mgpu_utils.memref_slice(
+                ref, mgpu_utils.ds(arith.index_cast(ir.IndexType.get(), t0), PLANE // 8))
         x = mgpu_fa.FragmentedArray.load_tiled(ref, swizzle, layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
                                                is_signed=False, optimized=False)
         i32 = ir.IntegerType.get_signless(32)
@@ -1333,6 +1382,10 @@ def _make_kernel(
     vsub = fv and mmv and tuning.subnormal_values
     lgmax = f8v or vsub  # the softmax's running max is over logit + log2 s_t
     wsm = _warp_softmax(tuning, G, D, interpret) and not alt_layout and not stage_smem
+    # the value scale folded into each warp's B (G < D): one channel group per warp
+    fvw = (_folds_values_warp(tuning, G, D, interpret, stage_smem) and not alt_layout
+           and not wsm)
+    vw_groups = tuple((D // 4) * w // G for w in range(4))  # (fvw) warp w's channel group
     slack = _RESCALE_SLACK if wsm and tuning.lazy_rescale else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
@@ -1440,6 +1493,7 @@ def _make_kernel(
                         kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
                         vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
                                                     pl.ds(vcol + r * PLANE, PLANE)],
+                        vcodes_all=lambda r: vc_s.at[:, pl.ds(vcol + r * PLANE, PLANE)],
                         vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
                                                                  pl.ds(voff(p), PLANE)]),
                         vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
@@ -1520,6 +1574,10 @@ def _make_kernel(
                     return 8.0 - float(np.log2(_f8_field_spec(value_bits, p % Pv)[2]))
                 return float(_VSUB_C - slack - value_bits * (p % Pv))
 
+            def vw_shift(p):
+                """fvw: log2 of the factor P of plane p (field j) is stored with."""
+                return float(_VW_C - value_bits * (p % Pv))
+
             def val_prep(v):
                 """lgmax (logits in log2 units): per plane p, the (64, N) broadcasts of log2 s_t,
                 u = 2^-b_shift(p) / s_t and z_t * u, with s_t clamped to 2^-24 so that a zero
@@ -1544,6 +1602,16 @@ def _make_kernel(
                 r = (p // Pv, m, "sub")
                 if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
                     cache[r] = widen_v0(v["vcodes"](p // Pv, m))
+                return _field_sub(cache[r], value_bits, p % Pv)
+
+            def v_codes_warp(v, p, m, cache):
+                """fvw: value code field of plane p as the subnormal A operand (`_field_sub`)
+                of channel tile m in the warp order: warp w's rows are the channels (D/4) w +
+                16 m + (0..15) (`value_channel_order`)."""
+                r = (p // Pv, m, "warp")
+                if r not in cache:  # one SMEM load of a byte tile serves all its Pv planes
+                    cache[r] = _widen8(v["vcodes_all"](p // Pv), vtf, exponent=False,
+                                       warp_rows=(D // 4, 16 * m))
                 return _field_sub(cache[r], value_bits, p % Pv)
 
             def kfold_scores(v):
@@ -1697,6 +1765,14 @@ def _make_kernel(
                     for p, x in enumerate(bs):
                         l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                     zaccs = (zacc,)
+                elif fvw:  # P of plane p stored as P * 2^(_VW_C - bits j)
+                    ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_shift(p), (PLANE, NP),
+                                                            [1]))
+                          for p, x in enumerate(st)]
+                    l_t = l_t * ab
+                    for p, x in enumerate(ps):
+                        l_t = l_t + x * 2.0 ** -vw_shift(p)
+                    zaccs = tuple(z * ab for z in zaccs)
                 else:
                     mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
                     ps = [jnp.exp2(x - mb) for x in st]
@@ -1734,7 +1810,7 @@ def _make_kernel(
                     pb = lambda p: p_s.at[p].T
                 if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
                     plgpu.commit_smem()  # (they need only the warpgroup barrier below)
-                vt = (v_field8 if f8v else v_codes_sub if vsub else
+                vt = (v_field8 if f8v else v_codes_sub if vsub else v_codes_warp if fvw else
                       functools.partial(v_codes, raw=True) if fv else v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
@@ -1743,6 +1819,13 @@ def _make_kernel(
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     for p in range(planes):
                         b = _mma_rhs(pb(p), interpret)
+                        if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
+                            vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
+                                                    wide=tuning.vec64)
+                            zv = vec(v["vmin"](p))
+                            c = _mma(zero(), _rows_of(zv, zv), b, interpret)
+                            zaccs = (zaccs[0] + c * 2.0 ** -vw_shift(p),)
+                            b = _scale_rhs(b, vec(v["vscale"](p)))
                         for mt in range(mtiles):
                             new[mt] = _mma(new[mt], vt(v, p, mt, cache), b, interpret)
                     # f8v: a sub-step's product in fresh accumulators, as for wgmma
@@ -1861,7 +1944,7 @@ def _make_kernel(
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles))
-            z0 = (zero(),) if fv or f8v else ()  # fv, f8v: sum_t P * z_t
+            z0 = (zero(),) if fv or f8v or fvw else ()  # fv, f8v, fvw: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
                 blk = lambda i: first + lax.rem(i, 2)
@@ -1906,6 +1989,8 @@ def _make_kernel(
                     _merge_warp_rows([a * (fw * (cw * ib)) for a in accs], o_s)
                 else:
                     accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
+            if fvw:  # the codes' product weighs 2^(_VW_C - 24); the warp's minimums' term
+                accs = [a * float(2 ** (24 - _VW_C)) + zaccs[0] for a in accs]
             for mt in range(mtiles if not wsm else 0):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
             # log2 units -> natural log
@@ -2055,6 +2140,9 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
         stage_smem=stage_smem, alt_layout=alt_layout)
     o_parts, lse_parts = kern(*args)
     o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
+    rows = value_channel_order(tuning, group_size, q.shape[-1], interpret, stage_smem)
+    if rows is not None and not alt_layout:  # fold_v_warp: output rows in the warps' order
+        o = jnp.take(o, np.argsort(rows), axis=-1)
     B, Hq, D = q.shape
     return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
 
