@@ -269,7 +269,11 @@ class TuningConfig:
       the minimums (`_rows_of`). P is stored as P * 2^(_VW_C - bits j) so that the subnormal
       fields of every plane weigh alike; B stays finite while s * P * 2^_VW_C < 65504, i.e.
       value scales below 4096 (a 2-bit group spanning 12288, a 4-bit one 61440). The output
-      rows come out in that channel order and are put back by `_kivi_decode`. Native only.
+      rows come out in that channel order and are put back by `_kivi_decode`. Native only;
+      opt-in: exact to the same tolerance but slower as built (run 90: 2-bit G=32 at the
+      anchor 0.2961/0.2899 -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the
+      value dequantization gone, 256 per step and warp, but 88 more LDS and 106 more IMAD,
+      docs/performance.md runs 87-91).
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -302,7 +306,7 @@ class TuningConfig:
     release_slots: bool = False
     spread_copies: bool = False
     vec64: bool = False
-    fold_v_warp: bool = True
+    fold_v_warp: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):

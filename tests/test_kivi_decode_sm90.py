@@ -260,6 +260,12 @@ FLAG_CASES = [
     # warpgroups
     (2, 8, 1, 128, 1024, 2, 2, 32, jnp.bfloat16, (1024, 300), 1,
      TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, vec64=True)),
+    # the value scale folded per warp (G < D; native only), 2-bit G = 32 with three
+    # warpgroups and 4-bit G = 32 at D = 64
+    (2, 8, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, fold_v_warp=True)),
+    (1, 4, 2, 64, 1024, 4, 4, 32, jnp.bfloat16, (700,), 0,
+     TC(512, 1, 2, fold_k=True, fold_v_warp=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
@@ -267,7 +273,7 @@ FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-rel
             f"-f8v{int(c[-1].fp8_values)}-mma{c[-1].mma_sync or 0}"
             f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
             f"-lazy{int(c[-1].lazy_rescale)}-cw{int(c[-1].copy_warp)}{int(c[-1].release_slots)}"
-            f"-sp{int(c[-1].spread_copies)}{int(c[-1].vec64)}"
+            f"-sp{int(c[-1].spread_copies)}{int(c[-1].vec64)}-fvw{int(c[-1].fold_v_warp)}"
             for c in FLAG_CASES]
 
 
@@ -363,6 +369,29 @@ def test_value_fold_gating():
     assert not kd._folds_values(TC(p_direct=True), 128, 128)
     assert not kd._folds_values(TC(p_concat=True), 128, 128)
     assert kd._uses_widen8(TC(fold_v=True), False)
+
+
+def test_value_warp_fold_gating_and_channel_order():
+    """fold_v_warp applies natively where each warp's D/4 value channels lie in one group of
+    several (D/4 <= G < D) on the mma.sync value product; the output rows it produces are a
+    permutation whose warp-w rows of every value tile are the channels (D/4) w .. (D/4) (w + 1)
+    - 1 (one group), which `_kivi_decode` puts back."""
+    on = TC(fold_k=True, fold_v_warp=True)
+    for G, D in ((32, 128), (64, 128), (32, 64)):
+        assert kd._folds_values_warp(on, G, D, False)
+        rows = kd.value_channel_order(on, G, D, False)
+        assert sorted(rows) == list(range(D))
+        for m in range(D // 64):
+            for w in range(4):
+                ch = rows[64 * m + 16 * w:64 * m + 16 * w + 16]
+                assert len(set(ch // G)) == 1 and ch[0] // G == (D // 4) * w // G
+    assert not kd._folds_values_warp(on, 128, 128, False)  # G = D: fold_v
+    assert not kd._folds_values_warp(on, 64, 64, False)
+    assert not kd._folds_values_warp(on, 32, 128, plgpu.InterpretGPUParams())
+    assert not kd._folds_values_warp(TC(fold_k=True), 32, 128, False)  # opt-in
+    assert not kd._folds_values_warp(dataclasses.replace(on, mma_sync="keys"), 32, 128, False)
+    assert kd.value_channel_order(TC(fold_k=True), 32, 128, False) is None
+    assert (kd.value_channel_order(on, 32, 64, False) == np.arange(64)).all()
 
 
 def test_no_auto_barriers_gating():
@@ -697,6 +726,14 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 72, 4, 128, 8192, 2, 2, 64, jnp.bfloat16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, vec64=True)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, vec64=True)),
+    # the value scale folded per warp (`fold_v_warp`, opt-in; runs 90-91): 2-bit G = 32 with
+    # three warpgroups, G = 64 with mixed bits, 4-bit G = 32 with one warpgroup, D = 64 G = 32
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True)),
+    (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, fold_k=True, fold_v_warp=True)),
+    (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(512, 4, 2, fold_k=True, fold_v_warp=True)),
+    (2, 16, 16, 64, 4096, 2, 2, 32, jnp.float16,
+     TC(256, 3, 2, fold_k=True, wg_per_block=3, fold_v_warp=True)),
 ]
 
 
