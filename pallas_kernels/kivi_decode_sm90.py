@@ -274,6 +274,16 @@ class TuningConfig:
       anchor 0.2961/0.2899 -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the
       value dequantization gone, 256 per step and warp, but 88 more LDS and 106 more IMAD,
       docs/performance.md runs 87-91).
+    pack_planes: at most four query heads per kv head (mma's N = 8 then half padding), two
+      planes per score tile: plane 2t's keys against B = [q * s_g | 0] and plane 2t + 1's
+      against [0 | q * s_g * 2^-bits] (the second field's weight undone in B) into one
+      accumulator, so the tile's columns 0-3 are plane 2t's heads and 4-7 plane 2t + 1's. The
+      softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
+      once per tile instead of once per plane; P of a tile is the value product's B for both
+      planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
+      added at the end (`_swap_halves`). With fold_k, both products on mma.sync, not with the
+      per-warp softmax, fp8 values, fold_v_warp or the run-40 value fold. The interpreter runs
+      it too (its SMEM staging is for wgmma operands only).
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -307,6 +317,7 @@ class TuningConfig:
     spread_copies: bool = False
     vec64: bool = False
     fold_v_warp: bool = False
+    pack_planes: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -414,6 +425,22 @@ def _folds_values_warp(tuning: TuningConfig, group_size: int, head_dim: int, int
     return bool(tuning.fold_v_warp and tuning.mma_sync in ("values", "both")
                 and _uses_widen8(tuning, interpret) and not stage_smem
                 and head_dim // 4 <= group_size < head_dim)
+
+
+def _packs_planes(tuning: TuningConfig, group_size: int, head_dim: int, heads: int,
+                  interpret) -> bool:
+    """Whether a score tile holds two planes (`TuningConfig.pack_planes`): `heads` query heads
+    per kv head fit in half of mma's N = 8, the folded key product and the value product on
+    mma.sync, in the shared (not per-warp) softmax; not with fp8 values, fold_v_warp, the
+    run-40 value fold (fields with offsets) or the natural-order P layouts."""
+    fv = _folds_values(tuning, group_size, head_dim)
+    return bool(tuning.pack_planes and heads <= 4 and tuning.mma_sync == "both"
+                and _folds_keys_mma(tuning, group_size, head_dim)
+                and not _fp8_values(tuning, group_size, head_dim)
+                and not _warp_softmax(tuning, group_size, head_dim, interpret)
+                and not _folds_values_warp(tuning, group_size, head_dim, interpret)
+                and (tuning.subnormal_values or not fv)
+                and not tuning.p_direct and not tuning.p_concat)
 
 
 def value_channel_order(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
@@ -872,6 +899,48 @@ def _warp_col_max(at, i: int):
     for dist in (4, 8, 16):
         r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
     return r
+
+
+def _swap_halves(x, interpret):
+    """x (64, 8) in the WGMMA layout or (8,) in its reduce(0) layout with columns 0-3 and 4-7
+    exchanged (pack_planes): lane (g, c) holds columns 2c, 2c + 1, so it is one butterfly
+    shuffle across lane bit 1 per register."""
+    if interpret:
+        return jnp.roll(x, 4, axis=-1)
+    lay = _WG if x.ndim == 2 else _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(lay,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=lay))
+    def swap(_, xa):
+        regs = np.empty_like(xa.registers)
+        for i, r in np.ndenumerate(xa.registers):
+            regs[i] = mgpu_utils.shfl_bfly(r, 2)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
+                                       _is_signed=xa.is_signed)
+
+    return swap(x)
+
+
+def _halves(lo, hi, interpret):
+    """(64, 8) tiles (WGMMA layout) or (8,) vectors (its reduce(0) layout) -> columns 0-3 of
+    lo and 4-7 of hi (pack_planes): one select per register on the lane's column half."""
+    if interpret:
+        col = lax.broadcasted_iota(jnp.int32, lo.shape, lo.ndim - 1)
+        return jnp.where(col < 4, lo, hi)
+    lay = _WG if lo.ndim == 2 else _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(lay, lay),
+                       return_type=plgpu.ShapeDtypeStruct(lo.shape, lo.dtype, layout=lay))
+    def pick(_, la, ha):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        regs = np.empty_like(la.registers)
+        for i in np.ndindex(regs.shape):
+            regs[i] = arith.select(upper, ha.registers[i], la.registers[i])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=la.layout,
+                                       _is_signed=la.is_signed)
+
+    return pick(lo, hi)
 
 
 def _wg_max_open(x, scratch_ref):
@@ -1363,7 +1432,7 @@ def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, k
 
 def _make_kernel(
     *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
-    interpret, alt_layout: bool = False,
+    interpret, alt_layout: bool = False, pack: bool = False,
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
@@ -1390,6 +1459,9 @@ def _make_kernel(
     fvw = (_folds_values_warp(tuning, G, D, interpret, stage_smem) and not alt_layout
            and not wsm)
     vw_groups = tuple((D // 4) * w // G for w in range(4))  # (fvw) warp w's channel group
+    # pack_planes: score tile t holds planes 2t (columns 0-3) and 2t + 1 (columns 4-7)
+    pk = pack and not wsm and not alt_layout
+    tiles = planes // 2 if pk else planes
     slack = _RESCALE_SLACK if wsm and tuning.lazy_rescale else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
@@ -1477,7 +1549,9 @@ def _make_kernel(
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
             if mmk:  # q^T as mma.sync's B operand: registers, loop-invariant
-                qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
+                qb = [_mma_rhs(q_s.at[c, pl.ds(0, NP)].T, interpret) for c in range(KCH)]
+            if pk:  # q in columns 4-7, times 2^-bits (`_kernel_call`): B of the odd planes
+                qb_hi = _mma_rhs(q_s.at[0, pl.ds(NP, NP)].T, interpret)
 
             def views(refs, u):
                 """Accessors of sub-step u of one step's SMEM buffers (documented or alt
@@ -1632,15 +1706,24 @@ def _make_kernel(
                 q = qb[0]  # (D, NP) B operand (registers natively, an array interpreted)
                 if interpret:  # per warp's 16 rows (its own group), in jnp
                     out = []
-                    for p in range(planes):
-                        r = p // Pk
-                        a = _field_sub(widen_k0(v["kcodes"](r, 0)), key_bits, p % Pk)
+                    for t in range(tiles):
+                        # pk: the odd plane against q in columns 4-7, 2^-bits (its weight)
+                        ps_ = ((2 * t, q), (2 * t + 1, qb_hi)) if pk else ((t, q),)
                         blocks = []
-                        for w, g in enumerate(_warp_groups(p, G)):
-                            bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
-                            x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
+                        for w in range(4):
+                            x = bias = 0.0
+                            for p, qq in ps_:
+                                g = _warp_groups(p, G)[w]
+                                a = _field_sub(widen_k0(v["kcodes"](p // Pk, 0)), key_bits,
+                                               p % Pk)
+                                bq = (qq * v["kscale"](g)[...][:, None]).astype(f16)
+                                x = x + jnp.dot(a[16 * w:16 * (w + 1)], bq,
+                                                preferred_element_type=f32)
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
-                            blocks.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
+                            if pk:  # q . z_g of both planes' heads (one group per pair)
+                                bias = bias + jnp.roll(bias, 4)
+                            w0 = _field_sub_weight(key_bits, ps_[0][0] % Pk)
+                            blocks.append(x * w0 + bias[None])
                         out.append(jnp.concatenate(blocks, axis=0))
                     return out
                 vecs, codes, bqs = {}, {}, {}
@@ -1665,6 +1748,22 @@ def _make_kernel(
                     ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
                     c = _mma(zero, _rows_of(vec("kmin", ka), vec("kmin", kb)), q, interpret)
                     bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                if pk:  # planes 2t, 2t + 1 (one key group) into one tile
+                    out = []
+                    for t in range(tiles):
+                        p0, p1 = 2 * t, 2 * t + 1
+                        r, k = p0 // Pk, key[p0]
+                        if r not in codes:
+                            codes[r] = widen_k0(v["kcodes"](r, 0))
+                        if k not in bqs:  # B of the even planes, of the odd (columns 4-7)
+                            sk = vec("kscale", k)
+                            bqs[k] = (_scale_rhs(q, sk), _scale_rhs(qb_hi, sk),
+                                      bias[k] + _swap_halves(bias[k], interpret))
+                        lo, hi, bk = bqs[k]
+                        x = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), lo, interpret)
+                        x = _mma(x, _field_sub(codes[r], key_bits, p1 % Pk), hi, interpret)
+                        out.append(x * _field_sub_weight(key_bits, p0 % Pk) + bk)
+                    return out
                 out = []
                 for p in range(planes):
                     r, k = p // Pk, key[p]
@@ -1743,27 +1842,41 @@ def _make_kernel(
 
                 def masked(xs):  # the tokens at and past n (ragged lengths, padding) drop out
                     rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-                    return [jnp.where(tok0 + _plane_tokens(p, rows) < n, x, -jnp.inf)
-                            for p, x in enumerate(xs)]
+                    if pk:  # columns 4-7 of tile t are plane 2t + 1's
+                        odd = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 1, layout=_WG) >= 4
+                        tok = lambda t: jnp.where(odd, _plane_tokens(2 * t + 1, rows),
+                                                  _plane_tokens(2 * t, rows))
+                    else:
+                        tok = lambda p: _plane_tokens(p, rows)
+                    return [jnp.where(tok0 + tok(p) < n, x, -jnp.inf) for p, x in enumerate(xs)]
 
                 # Only the last sub-step of a row can hold such tokens: the others skip the
                 # compare and select per element (a branch per sub-step instead).
                 st = lax.cond(tok0 + SUB <= n, list, masked, st)
                 if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
                     pre = val_prep(v)
+                    if pk:  # tile t: plane 2t's tokens in columns 0-3, 2t + 1's in 4-7
+                        pre = [tuple(_halves(a, b, interpret) for a, b in
+                                     zip(pre[2 * t], pre[2 * t + 1], strict=True))
+                               for t in range(tiles)]
                     st = [x + pre[p][0] for p, x in enumerate(st)]
                 if wsm:
                     return warp_sub_step(v, st, pre, (m_run, l_t, accs, zaccs))
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
-                m_new = jnp.maximum(m_run, loop_max(tmax))
+                mx = loop_max(tmax)
+                if pk:  # a head's max over both halves (its even and odd planes)
+                    mx = jnp.maximum(mx, _swap_halves(mx, interpret))
+                m_new = jnp.maximum(m_run, mx)
                 alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
                 ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
                     bs = []
                     for p, x in enumerate(st):
-                        mc = lax.broadcast_in_dim(m_new - b_shift(p), (PLANE, NP), [1])
+                        mv = (_halves(m_new - b_shift(2 * p), m_new - b_shift(2 * p + 1),
+                                      interpret) if pk else m_new - b_shift(p))
+                        mc = lax.broadcast_in_dim(mv, (PLANE, NP), [1])
                         bs.append(jnp.exp2(x - mc))
                     l_t, zacc = l_t * ab, zaccs[0] * ab
                     for p, x in enumerate(bs):
@@ -1794,7 +1907,7 @@ def _make_kernel(
                         x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)
                         p_s.at[p].T[...] = x16.astype(p_s.dtype)
                 if vsub:
-                    for p in range(planes):
+                    for p in range(tiles):
                         _store_p(bs[p].astype(f16), p)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
@@ -1809,7 +1922,7 @@ def _make_kernel(
                     pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
                 else:
                     if not (fv or f8v):
-                        for p in range(planes):
+                        for p in range(tiles):
                             _store_p(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
                 if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
@@ -1822,6 +1935,14 @@ def _make_kernel(
                     _wg_sync(interpret)
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     for p in range(planes):
+                        if pk:  # tile p // 2's P: B of both its planes, whose products go to
+                            # the even (accs[:mtiles]) and odd (accs[mtiles:]) sets
+                            if p % 2 == 0:
+                                b = _mma_rhs(pb(p // 2), interpret)
+                            for mt in range(mtiles):
+                                i = mt + mtiles * (p % 2)
+                                new[i] = _mma(new[i], vt(v, p, mt, cache), b, interpret)
+                            continue
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
                             vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
@@ -1947,7 +2068,8 @@ def _make_kernel(
             m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles))
+            # pk: the value products of the even planes, then of the odd planes
+            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles * (2 if pk else 1)))
             z0 = (zero(),) if fv or f8v or fvw else ()  # fv, f8v, fvw: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
@@ -1979,12 +2101,19 @@ def _make_kernel(
                     jnp.exp2(m_run - jnp.where(m_all == -jnp.inf, 0.0, m_all)), (PLANE, NP), [1])
                 m_run, l_t, zaccs = m_all, l_t * fw, (zaccs[0] * fw,)
             l = red(l_t, "add")
+            if pk:  # columns 0-3: heads over the even planes; 4-7: over the odd ones
+                l = l + _swap_halves(l, interpret)
+                accs = [accs[mt] + _swap_halves(accs[mtiles + mt], interpret)
+                        for mt in range(mtiles)]
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
             ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
             if fv or f8v:  # the minimums' term; lgmax: the codes' product weighs 2^-1 (f8v)
                 # or 2^(_VSUB_C - 24) (vsub)
-                zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
+                zs = red(zaccs[0], "add")
+                if pk:
+                    zs = zs + _swap_halves(zs, interpret)
+                zs = lax.broadcast_in_dim(zs, (PLANE, NP), [1])
                 cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C + slack)) if vsub else 1.0
                 if wsm:  # o = sum over warps of acc * fw * cw / l, plus zs / l
                     for mt in range(mtiles):
@@ -2016,7 +2145,8 @@ def _make_kernel(
     # W > 1: every buffer has a leading warpgroup axis.
     per_wg = lambda *shape: (W, *shape) if W > 1 else shape
     scratch = {
-        "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
+        # pk: rows NP.. hold q in columns 4-7 times 2^-bits (the odd planes' B)
+        "q_s": plgpu.SMEM(per_wg(KCH, NP * (2 if pk else 1), DC), f16, transforms=_swz(f16, DC)),
         "p_s": (plgpu.SMEM(per_wg(8, 64), f16) if wsm else  # P stays in registers
                 plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
                            transforms=_swz(jnp.float8_e4m3fn, PLANE)) if f8v else
@@ -2182,6 +2312,10 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
+    pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
+    if pack:  # and q in columns 4-7 times 2^-key_bits: B of the odd planes (pack_planes)
+        qf = jnp.concatenate([qf, jnp.roll(qf, 4, axis=3) * jnp.asarray(2.0 ** -key_bits,
+                                                                          qf.dtype)], axis=3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:
@@ -2192,7 +2326,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
         cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
-                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
+                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
+                        pack=pack)
     return kern, (meta, qf, *cache), nq
 
 
