@@ -276,8 +276,9 @@ class TuningConfig:
       docs/performance.md runs 87-91).
     pack_planes: at most four query heads per kv head (mma's N = 8 then half padding), two
       planes per score tile: plane 2t's keys against B = [q * s_g | 0] and plane 2t + 1's
-      against [0 | q * s_g * 2^-bits] (the second field's weight undone in B) into one
-      accumulator, so the tile's columns 0-3 are plane 2t's heads and 4-7 plane 2t + 1's. The
+      against [0 | q * s_g] (one lane shuffle per register, `_upper_heads`) into one
+      accumulator, so the tile's columns 0-3 are plane 2t's heads and 4-7 plane 2t + 1's
+      (each half with its field's weight in the score epilogue). The
       softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
       once per tile instead of once per plane; P of a tile is the value product's B for both
       planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
@@ -921,6 +922,25 @@ def _swap_halves(x, interpret):
     return swap(x)
 
 
+def _upper_heads(b, interpret):
+    """b (K, 8), mma.sync's B operand (`Layout.MMA_RHS`) with columns 4-7 zero -> columns 0-3
+    moved to 4-7 (pack_planes: the odd plane's B): lane 4 g + c holds column g, so it is one
+    butterfly shuffle across lane bit 4 per register, and the zeros come back into 0-3."""
+    if interpret:
+        return jnp.roll(b, 4, axis=1)
+    lay = plgpu.Layout.MMA_RHS(b.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(lay,),
+                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
+    def up(_, ba):
+        regs = np.empty_like(ba.registers)
+        for i, r in np.ndenumerate(ba.registers):
+            regs[i] = mgpu_utils.shfl_bfly(r, 16)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
+
+    return up(b)
+
+
 def _halves(lo, hi, interpret):
     """(64, 8) tiles (WGMMA layout) or (8,) vectors (its reduce(0) layout) -> columns 0-3 of
     lo and 4-7 of hi (pack_planes): one select per register on the lane's column half."""
@@ -1549,9 +1569,7 @@ def _make_kernel(
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
             if mmk:  # q^T as mma.sync's B operand: registers, loop-invariant
-                qb = [_mma_rhs(q_s.at[c, pl.ds(0, NP)].T, interpret) for c in range(KCH)]
-            if pk:  # q in columns 4-7, times 2^-bits (`_kernel_call`): B of the odd planes
-                qb_hi = _mma_rhs(q_s.at[0, pl.ds(NP, NP)].T, interpret)
+                qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
             def views(refs, u):
                 """Accessors of sub-step u of one step's SMEM buffers (documented or alt
@@ -1707,23 +1725,26 @@ def _make_kernel(
                 if interpret:  # per warp's 16 rows (its own group), in jnp
                     out = []
                     for t in range(tiles):
-                        # pk: the odd plane against q in columns 4-7, 2^-bits (its weight)
-                        ps_ = ((2 * t, q), (2 * t + 1, qb_hi)) if pk else ((t, q),)
+                        # pk: the odd plane against B with q's heads in columns 4-7
+                        ps_ = (2 * t, 2 * t + 1) if pk else (t,)
                         blocks = []
                         for w in range(4):
-                            x = bias = 0.0
-                            for p, qq in ps_:
+                            x = 0.0
+                            for i, p in enumerate(ps_):
                                 g = _warp_groups(p, G)[w]
                                 a = _field_sub(widen_k0(v["kcodes"](p // Pk, 0)), key_bits,
                                                p % Pk)
-                                bq = (qq * v["kscale"](g)[...][:, None]).astype(f16)
+                                bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
+                                bq = _upper_heads(bq, interpret) if i else bq
                                 x = x + jnp.dot(a[16 * w:16 * (w + 1)], bq,
                                                 preferred_element_type=f32)
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
+                            wt = _field_sub_weight(key_bits, ps_[0] % Pk)
                             if pk:  # q . z_g of both planes' heads (one group per pair)
                                 bias = bias + jnp.roll(bias, 4)
-                            w0 = _field_sub_weight(key_bits, ps_[0][0] % Pk)
-                            blocks.append(x * w0 + bias[None])
+                                wt = jnp.where(jnp.arange(NP) < 4, wt,
+                                               _field_sub_weight(key_bits, ps_[1] % Pk))
+                            blocks.append(x * wt + bias[None])
                         out.append(jnp.concatenate(blocks, axis=0))
                     return out
                 vecs, codes, bqs = {}, {}, {}
@@ -1756,13 +1777,17 @@ def _make_kernel(
                         if r not in codes:
                             codes[r] = widen_k0(v["kcodes"](r, 0))
                         if k not in bqs:  # B of the even planes, of the odd (columns 4-7)
-                            sk = vec("kscale", k)
-                            bqs[k] = (_scale_rhs(q, sk), _scale_rhs(qb_hi, sk),
+                            lo = _scale_rhs(q, vec("kscale", k))
+                            bqs[k] = (lo, _upper_heads(lo, interpret),
                                       bias[k] + _swap_halves(bias[k], interpret))
                         lo, hi, bk = bqs[k]
                         x = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), lo, interpret)
                         x = _mma(x, _field_sub(codes[r], key_bits, p1 % Pk), hi, interpret)
-                        out.append(x * _field_sub_weight(key_bits, p0 % Pk) + bk)
+                        # the halves' field weights (each half holds one plane's products)
+                        wt = _halves(jnp.full((NP,), _field_sub_weight(key_bits, p0 % Pk), f32),
+                                     jnp.full((NP,), _field_sub_weight(key_bits, p1 % Pk), f32),
+                                     interpret)
+                        out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bk)
                     return out
                 out = []
                 for p in range(planes):
@@ -2145,8 +2170,7 @@ def _make_kernel(
     # W > 1: every buffer has a leading warpgroup axis.
     per_wg = lambda *shape: (W, *shape) if W > 1 else shape
     scratch = {
-        # pk: rows NP.. hold q in columns 4-7 times 2^-bits (the odd planes' B)
-        "q_s": plgpu.SMEM(per_wg(KCH, NP * (2 if pk else 1), DC), f16, transforms=_swz(f16, DC)),
+        "q_s": plgpu.SMEM(per_wg(KCH, NP, DC), f16, transforms=_swz(f16, DC)),
         "p_s": (plgpu.SMEM(per_wg(8, 64), f16) if wsm else  # P stays in registers
                 plgpu.SMEM(per_wg(planes, NP, PLANE), jnp.float8_e4m3fn,
                            transforms=_swz(jnp.float8_e4m3fn, PLANE)) if f8v else
@@ -2313,9 +2337,6 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
-    if pack:  # and q in columns 4-7 times 2^-key_bits: B of the odd planes (pack_planes)
-        qf = jnp.concatenate([qf, jnp.roll(qf, 4, axis=3) * jnp.asarray(2.0 ** -key_bits,
-                                                                          qf.dtype)], axis=3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:
