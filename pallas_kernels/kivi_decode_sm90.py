@@ -275,10 +275,11 @@ class TuningConfig:
       value dequantization gone, 256 per step and warp, but 88 more LDS and 106 more IMAD,
       docs/performance.md runs 87-91).
     pack_planes: at most four query heads per kv head (mma's N = 8 then half padding), two
-      planes per score tile: plane 2t's keys against B = [q * s_g | 0] and plane 2t + 1's
-      against [0 | q * s_g] (one lane shuffle per register, `_upper_heads`) into one
-      accumulator, so the tile's columns 0-3 are plane 2t's heads and 4-7 plane 2t + 1's
-      (each half with its field's weight in the score epilogue). The
+      planes per score tile: q's heads are duplicated into the padding columns 4-7, both
+      planes' keys go against the same B = q * s_g, and the tile takes columns 0-3 of plane
+      2t's product and 4-7 of plane 2t + 1's (`_halves`: one select per register), each half
+      with its field's weight in the score epilogue; log2 s_t and the other per-token terms
+      are computed once per tile (`_pick_rows`). The
       softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
       once per tile instead of once per plane; P of a tile is the value product's B for both
       planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
@@ -922,25 +923,6 @@ def _swap_halves(x, interpret):
     return swap(x)
 
 
-def _upper_heads(b, interpret):
-    """b (K, 8), mma.sync's B operand (`Layout.MMA_RHS`) with columns 4-7 zero -> columns 0-3
-    moved to 4-7 (pack_planes: the odd plane's B): lane 4 g + c holds column g, so it is one
-    butterfly shuffle across lane bit 4 per register, and the zeros come back into 0-3."""
-    if interpret:
-        return jnp.roll(b, 4, axis=1)
-    lay = plgpu.Layout.MMA_RHS(b.dtype)
-
-    @plgpu.inline_mgpu(arg_types=(lay,),
-                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
-    def up(_, ba):
-        regs = np.empty_like(ba.registers)
-        for i, r in np.ndenumerate(ba.registers):
-            regs[i] = mgpu_utils.shfl_bfly(r, 16)
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
-
-    return up(b)
-
-
 def _halves(lo, hi, interpret):
     """(64, 8) tiles (WGMMA layout) or (8,) vectors (its reduce(0) layout) -> columns 0-3 of
     lo and 4-7 of hi (pack_planes): one select per register on the lane's column half."""
@@ -961,6 +943,27 @@ def _halves(lo, hi, interpret):
                                        _is_signed=la.is_signed)
 
     return pick(lo, hi)
+
+
+def _pick_rows(a, b):
+    """(64,) row vectors (the reduce(1) WGMMA layout) -> a in the lanes of columns 0-3, b in
+    those of 4-7 (pack_planes): a vector whose lanes disagree, valid only under a broadcast
+    along rows and elementwise use (as the per-warp vectors of `_vec_load`), so that the
+    per-token math of a tile's two planes costs one plane's. Not interpretable."""
+    lay = _WG.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(lay, lay),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=lay))
+    def pick(_, aa, ba):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        regs = np.empty_like(aa.registers)
+        for i in np.ndindex(regs.shape):
+            regs[i] = arith.select(upper, ba.registers[i], aa.registers[i])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=aa.layout,
+                                       _is_signed=aa.is_signed)
+
+    return pick(a, b)
 
 
 def _wg_max_open(x, scratch_ref):
@@ -1679,17 +1682,33 @@ def _make_kernel(
                 u = 2^-b_shift(p) / s_t and z_t * u, with s_t clamped to 2^-24 so that a zero
                 scale stays finite. The B operand is then B = 2^(logit + log2 s_t - m +
                 b_shift(p)) = P * s_t * c_p, and P = B * u, P * z_t = B * (z_t * u): one fma
-                each for the sums."""
-                out = []
-                for p in range(planes):
-                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
-                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
-                    l2s = jnp.log2(jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24))
+                each for the sums. pk: per tile, plane 2t's in columns 0-3 and 2t + 1's in 4-7
+                (natively computed once per tile on `_pick_rows` vectors)."""
+                f32 = jnp.float32
+                ld = lambda which, p: plgpu.load(v[which](p)(0), (), layout=_WG.reduce(1))
+                bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
+
+                def terms(sv, zv, nb):
+                    l2s = jnp.log2(jnp.maximum(sv.astype(f32), 2.0 ** -24))
                     # u from log2 s_t (two instructions) rather than a division, which
                     # compiles to ~8 with its range checks (SASS, docs/performance.md run 52)
-                    u = jnp.exp2(-b_shift(p) - l2s)
-                    bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
-                    out.append((bc(l2s), bc(u), bc(zv.astype(jnp.float32) * u)))
+                    u = jnp.exp2(nb - l2s)
+                    return bc(l2s), bc(u), bc(zv.astype(f32) * u)
+
+                if pk and not interpret:
+                    out = []
+                    for t in range(tiles):
+                        pick = lambda f, t=t: _pick_rows(f(2 * t), f(2 * t + 1))
+                        nb = pick(lambda p: plgpu.layout_cast(
+                            jnp.full((PLANE,), -b_shift(p), f32), _WG.reduce(1)))
+                        out.append(terms(pick(lambda p: ld("vscale", p)),
+                                         pick(lambda p: ld("vmin", p)), nb))
+                    return out
+                out = [terms(ld("vscale", p), ld("vmin", p), -b_shift(p)) for p in range(planes)]
+                if pk:
+                    out = [tuple(_halves(a, b, interpret) for a, b in
+                                 zip(out[2 * t], out[2 * t + 1], strict=True))
+                           for t in range(tiles)]
                 return out
 
             def v_codes_sub(v, p, m, cache):
@@ -1729,22 +1748,17 @@ def _make_kernel(
                         ps_ = (2 * t, 2 * t + 1) if pk else (t,)
                         blocks = []
                         for w in range(4):
-                            x = 0.0
-                            for i, p in enumerate(ps_):
+                            xs = []
+                            for p in ps_:
                                 g = _warp_groups(p, G)[w]
                                 a = _field_sub(widen_k0(v["kcodes"](p // Pk, 0)), key_bits,
                                                p % Pk)
                                 bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
-                                bq = _upper_heads(bq, interpret) if i else bq
-                                x = x + jnp.dot(a[16 * w:16 * (w + 1)], bq,
-                                                preferred_element_type=f32)
+                                x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
+                                xs.append(x * _field_sub_weight(key_bits, p % Pk))
+                            x = _halves(*xs, interpret) if pk else xs[0]
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
-                            wt = _field_sub_weight(key_bits, ps_[0] % Pk)
-                            if pk:  # q . z_g of both planes' heads (one group per pair)
-                                bias = bias + jnp.roll(bias, 4)
-                                wt = jnp.where(jnp.arange(NP) < 4, wt,
-                                               _field_sub_weight(key_bits, ps_[1] % Pk))
-                            blocks.append(x * wt + bias[None])
+                            blocks.append(x + bias[None])
                         out.append(jnp.concatenate(blocks, axis=0))
                     return out
                 vecs, codes, bqs = {}, {}, {}
@@ -1776,18 +1790,19 @@ def _make_kernel(
                         r, k = p0 // Pk, key[p0]
                         if r not in codes:
                             codes[r] = widen_k0(v["kcodes"](r, 0))
-                        if k not in bqs:  # B of the even planes, of the odd (columns 4-7)
-                            lo = _scale_rhs(q, vec("kscale", k))
-                            bqs[k] = (lo, _upper_heads(lo, interpret),
-                                      bias[k] + _swap_halves(bias[k], interpret))
-                        lo, hi, bk = bqs[k]
-                        x = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), lo, interpret)
-                        x = _mma(x, _field_sub(codes[r], key_bits, p1 % Pk), hi, interpret)
-                        # the halves' field weights (each half holds one plane's products)
+                        if k not in bqs:  # q (in both halves) * s_g
+                            bqs[k] = _scale_rhs(q, vec("kscale", k))
+                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), bqs[k],
+                                  interpret)
+                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), bqs[k],
+                                  interpret)
+                        # columns 0-3 of the even plane's, 4-7 of the odd's, each with its
+                        # field's weight
                         wt = _halves(jnp.full((NP,), _field_sub_weight(key_bits, p0 % Pk), f32),
                                      jnp.full((NP,), _field_sub_weight(key_bits, p1 % Pk), f32),
                                      interpret)
-                        out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bk)
+                        x = _halves(x0, x1, interpret)
+                        out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bias[k])
                     return out
                 out = []
                 for p in range(planes):
@@ -1879,11 +1894,7 @@ def _make_kernel(
                 # compare and select per element (a branch per sub-step instead).
                 st = lax.cond(tok0 + SUB <= n, list, masked, st)
                 if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
-                    pre = val_prep(v)
-                    if pk:  # tile t: plane 2t's tokens in columns 0-3, 2t + 1's in 4-7
-                        pre = [tuple(_halves(a, b, interpret) for a, b in
-                                     zip(pre[2 * t], pre[2 * t + 1], strict=True))
-                               for t in range(tiles)]
+                    pre = val_prep(v)  # (pk: per tile)
                     st = [x + pre[p][0] for p, x in enumerate(st)]
                 if wsm:
                     return warp_sub_step(v, st, pre, (m_run, l_t, accs, zaccs))
@@ -2337,6 +2348,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
+    if pack:  # q's heads also in columns 4-7 (they are zero padding): B for both planes
+        qf = qf + jnp.roll(qf, 4, axis=3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:
