@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 92 (one device call; branch pack-planes): two planes per score tile (`pack_planes`) checked
-# natively against the twin, then an A/B at the anchor against choose_tuning's launch in one
-# process (2-bit G=128 with four warpgroups, G=32 with three; 4-bit G=128 with one warpgroup,
+# natively against the twin, the GPU cases of pack_planes and fold_v_warp, then an A/B at the
+# anchor against choose_tuning's launch in one process (2-bit G=128 with four warpgroups, G=32 with three; 4-bit G=128 with one warpgroup,
 # whose default is the per-warp softmax: against that and against the shared softmax), then
 # the SASS/PTX of fold_v_warp against the default at 2-bit G=32 (why run 91 saw 88 more LDS).
 set -u
@@ -11,6 +11,9 @@ timeout 150 python3 bench/check_variant.py --flags pack_planes=1 \
   --cases 2:2:128:128,2:2:32:128,2:2:64:128,4:2:32:128,2:4:64:64 2>&1 | grep -v Warn \
   | tee "$OUT/pack_check_${D}_run92.txt"
 grep -q "ALL OK" "$OUT/pack_check_${D}_run92.txt" || exit 1
+timeout 150 python3 -m pytest -q -m gpu tests/test_kivi_decode_sm90.py \
+  -k "matches_reference_and_is_deterministic and (50 or 51 or 52 or 53 or 54 or 55 or 56 or 57)" \
+  2>&1 | tail -3 | tee "$OUT/pytest_gpu_${D}_run92.txt"
 timeout 200 python3 bench/point_compare.py --points 8x131072 --kbg 2:128,2:32 \
   --variants "default;pack_planes=1;default;pack_planes=1" | tee "$OUT/ab_${D}_run92.txt"
 timeout 120 python3 bench/point_compare.py --points 8x131072 --kbg 4:128 \
