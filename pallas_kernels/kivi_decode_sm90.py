@@ -241,7 +241,10 @@ class TuningConfig:
       several warpgroups per block and below 16 steps per split (measured slower there, runs
       59-65).
     lazy_rescale: with warp_softmax, rescale a warp's accumulators only when its running max
-      grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way.
+      grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way. Natively also in
+      the shared softmax (several warpgroups per block), where the max is the warpgroup's, on
+      the value paths whose B bound takes the slack (the subnormal value fold, the exact
+      dequantization; not fp8 values, fold_v_warp or the run-40 fold).
     copy_warp: one warp of each warpgroup issues its TMA copies (`_pipeline`'s one_warp)
       instead of all four; one-warpgroup blocks then take the kernel's own pipeline, compiled
       without auto barriers where `_no_auto_barriers` allows, in place of plgpu.emit_pipeline
@@ -1485,7 +1488,12 @@ def _make_kernel(
     # pack_planes: score tile t holds planes 2t (columns 0-3) and 2t + 1 (columns 4-7)
     pk = pack and not wsm and not alt_layout
     tiles = planes // 2 if pk else planes
-    slack = _RESCALE_SLACK if wsm and tuning.lazy_rescale else 0.0
+    # lazy_rescale in the shared softmax (natively; the vsub and exact value paths, whose B
+    # bounds take the slack): the running max is the warpgroup's, so every warp takes the
+    # same branch of `_lazy_rescale`
+    lazy_sh = (tuning.lazy_rescale and not wsm and not interpret and mmv and not f8v
+               and not fvw and not (fv and not vsub) and not alt_layout)
+    slack = _RESCALE_SLACK if tuning.lazy_rescale and (wsm or lazy_sh) else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -1904,9 +1912,16 @@ def _make_kernel(
                 mx = loop_max(tmax)
                 if pk:  # a head's max over both halves (its even and odd planes)
                     mx = jnp.maximum(mx, _swap_halves(mx, interpret))
-                m_new = jnp.maximum(m_run, mx)
-                alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
-                ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                if lazy_sh:  # rescaled only when the max grew by more than the slack
+                    nz = len(zaccs)
+                    m_new, (l_t, *rest) = _lazy_rescale(m_run, mx, [l_t, *zaccs, *accs], slack)
+                    zaccs, accs = tuple(rest[:nz]), tuple(rest[nz:])
+                    resc = lambda x: x
+                else:
+                    m_new = jnp.maximum(m_run, mx)
+                    alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
+                    ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                    resc = lambda x: x * ab
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
                     bs = []
                     for p, x in enumerate(st):
@@ -1914,7 +1929,7 @@ def _make_kernel(
                                       interpret) if pk else m_new - b_shift(p))
                         mc = lax.broadcast_in_dim(mv, (PLANE, NP), [1])
                         bs.append(jnp.exp2(x - mc))
-                    l_t, zacc = l_t * ab, zaccs[0] * ab
+                    l_t, zacc = resc(l_t), resc(zaccs[0])
                     for p, x in enumerate(bs):
                         l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                     zaccs = (zacc,)
@@ -1922,22 +1937,22 @@ def _make_kernel(
                     ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_shift(p), (PLANE, NP),
                                                             [1]))
                           for p, x in enumerate(st)]
-                    l_t = l_t * ab
+                    l_t = resc(l_t)
                     for p, x in enumerate(ps):
                         l_t = l_t + x * 2.0 ** -vw_shift(p)
-                    zaccs = tuple(z * ab for z in zaccs)
+                    zaccs = tuple(resc(z) for z in zaccs)
                 else:
                     mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
                     ps = [jnp.exp2(x - mb) for x in st]
-                    l_t = l_t * ab
+                    l_t = resc(l_t)
                     for x in ps:
                         l_t = l_t + x
-                accs = tuple(a * ab for a in accs)
+                accs = tuple(resc(a) for a in accs)
                 if tuning.skip == "values":
                     return m_new, l_t, accs, zaccs
                 corr = None
                 if fv and not vsub:
-                    corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
+                    corr, zaccs = _fold_values(v, ps, tuple(resc(z) for z in zaccs))
                 if f8v:  # the B operand of every plane: e4m3 (through fp16) of B'
                     for p in range(planes):
                         x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)

@@ -277,6 +277,12 @@ FLAG_CASES = [
      TC(512, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
     (1, 4, 2, 64, 512, 2, 4, 64, jnp.float16, (450,), 0,
      TC(256, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    # the conditional rescale in the shared softmax (native only: cross-lowered here), with and
+    # without packed planes
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=4, warp_softmax=False, lazy_rescale=True)),
+    (2, 4, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, lazy_rescale=True, pack_planes=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
@@ -778,6 +784,19 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(512, 4, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
     (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16,
      TC(256, 3, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    # the conditional rescale in the shared softmax (`lazy_rescale` without warp_softmax), alone
+    # and with packed planes, at the anchor's 2-bit launches
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, warp_softmax=False,
+        lazy_rescale=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, lazy_rescale=True)),
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, warp_softmax=False,
+        lazy_rescale=True, pack_planes=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, lazy_rescale=True,
+        pack_planes=True)),
 ]
 
 
