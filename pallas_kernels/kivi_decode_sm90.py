@@ -700,11 +700,20 @@ def _widen8(codes_ref, transforms, exponent: bool = True, warp_rows=None):
                        return_type=plgpu.ShapeDtypeStruct((PLANE, X), jnp.uint16, layout=_WG))
     def widen(_, ref):
         if warp_rows is not None:  # rows a w + b - 16 w .. + 63: warp w's 16 at a w + b
+            # A per-warp base pointer under a static 64-row memref type, so that every load's
+            # address is that register plus a constant (run 91: a memref subview with a
+            # dynamic offset cost ~100 IMAD and LDS more per step).
             a, b = warp_rows
             _, warp = _lane_warp()
+            ty = ir.MemRefType(ref.type)
+            strides, _ = ty.get_strides_and_offset()
             t0 = arith.addi(arith.muli(warp, _i32((a - 16) // 8)), _i32(b // 8))
-            ref = mgpu_utils.memref_slice(
-                ref, mgpu_utils.ds(arith.index_cast(ir.IndexType.get(), t0), PLANE // 8))
+            off = arith.muli(t0, _i32(strides[0]))  # bytes: u8 elements
+            ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [off],
+                                           ir.IntegerType.get_signless(8))
+            ref = mgpu_utils.ptr_as_memref(ptr, ir.MemRefType.get(
+                (PLANE // 8, *ty.shape[1:]), ty.element_type,
+                ir.StridedLayoutAttr.get(0, strides), ty.memory_space))
         x = mgpu_fa.FragmentedArray.load_tiled(ref, swizzle, layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
                                                is_signed=False, optimized=False)
         i32 = ir.IntegerType.get_signless(32)
