@@ -282,7 +282,7 @@ class TuningConfig:
       planes' keys go against the same B = q * s_g, and the tile takes columns 0-3 of plane
       2t's product and 4-7 of plane 2t + 1's (`_halves`: one select per register), each half
       with its field's weight in the score epilogue; log2 s_t and the other per-token terms
-      are computed once per tile (`_pick_rows`). The
+      are computed once per tile (`_halves` with rows). The
       softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
       once per tile instead of once per plane; P of a tile is the value product's B for both
       planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
@@ -935,13 +935,19 @@ def _swap_halves(x, interpret):
     return swap(x)
 
 
-def _halves(lo, hi, interpret):
+def _halves(lo, hi, interpret, rows: bool = False):
     """(64, 8) tiles (WGMMA layout) or (8,) vectors (its reduce(0) layout) -> columns 0-3 of
-    lo and 4-7 of hi (pack_planes): one select per register on the lane's column half."""
+    lo and 4-7 of hi (pack_planes): one select per register on the lane's column half.
+
+    rows: lo, hi are (64,) row vectors (the reduce(1) layout) and the result holds lo in the
+    lanes of columns 0-3, hi in those of 4-7: a vector whose lanes disagree, valid only under a
+    broadcast along rows and elementwise use (as the per-warp vectors of `_vec_load`), so that
+    the per-token math of a tile's two planes costs one plane's. Not interpretable."""
     if interpret:
+        assert not rows, "lane-dependent row vectors have no interpreter form"
         col = lax.broadcasted_iota(jnp.int32, lo.shape, lo.ndim - 1)
         return jnp.where(col < 4, lo, hi)
-    lay = _WG if lo.ndim == 2 else _WG.reduce(0)
+    lay = _WG.reduce(1) if rows else _WG if lo.ndim == 2 else _WG.reduce(0)
 
     @plgpu.inline_mgpu(arg_types=(lay, lay),
                        return_type=plgpu.ShapeDtypeStruct(lo.shape, lo.dtype, layout=lay))
@@ -955,27 +961,6 @@ def _halves(lo, hi, interpret):
                                        _is_signed=la.is_signed)
 
     return pick(lo, hi)
-
-
-def _pick_rows(a, b):
-    """(64,) row vectors (the reduce(1) WGMMA layout) -> a in the lanes of columns 0-3, b in
-    those of 4-7 (pack_planes): a vector whose lanes disagree, valid only under a broadcast
-    along rows and elementwise use (as the per-warp vectors of `_vec_load`), so that the
-    per-token math of a tile's two planes costs one plane's. Not interpretable."""
-    lay = _WG.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(lay, lay),
-                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=lay))
-    def pick(_, aa, ba):
-        lane, _ = _lane_warp()
-        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
-        regs = np.empty_like(aa.registers)
-        for i in np.ndindex(regs.shape):
-            regs[i] = arith.select(upper, ba.registers[i], aa.registers[i])
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=aa.layout,
-                                       _is_signed=aa.is_signed)
-
-    return pick(a, b)
 
 
 def _wg_max_open(x, scratch_ref):
@@ -1700,7 +1685,7 @@ def _make_kernel(
                 scale stays finite. The B operand is then B = 2^(logit + log2 s_t - m +
                 b_shift(p)) = P * s_t * c_p, and P = B * u, P * z_t = B * (z_t * u): one fma
                 each for the sums. pk: per tile, plane 2t's in columns 0-3 and 2t + 1's in 4-7
-                (natively computed once per tile on `_pick_rows` vectors)."""
+                (natively computed once per tile on lane-dependent row vectors, `_halves`)."""
                 f32 = jnp.float32
                 ld = lambda which, p: plgpu.load(v[which](p)(0), (), layout=_WG.reduce(1))
                 bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
@@ -1715,7 +1700,8 @@ def _make_kernel(
                 if pk and not interpret:
                     out = []
                     for t in range(tiles):
-                        pick = lambda f, t=t: _pick_rows(f(2 * t), f(2 * t + 1))
+                        pick = lambda f, t=t: _halves(f(2 * t), f(2 * t + 1), False,
+                                                      rows=True)
                         nb = pick(lambda p: plgpu.layout_cast(
                             jnp.full((PLANE,), -b_shift(p), f32), _WG.reduce(1)))
                         out.append(terms(pick(lambda p: ld("vscale", p)),
