@@ -963,6 +963,32 @@ def _halves(lo, hi, interpret, rows: bool = False):
     return pick(lo, hi)
 
 
+def _halves_const(lo: float, hi: float, n: int, interpret):
+    """The (n,) f32 vector (the WGMMA layout's reduce(0)) of lo in columns 0-3 and hi in 4-7
+    (pack_planes), built in registers: constants passed into `_halves` stay splats that the
+    inline_mgpu argument cast cannot materialize (run 92: an unrealized_conversion_cast left in
+    the LLVM module)."""
+    if interpret:
+        return jnp.where(lax.broadcasted_iota(jnp.int32, (n,), 0) < 4, lo, hi).astype(jnp.float32)
+    lay = _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.float32, layout=lay))
+    def make(_):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        f32 = ir.F32Type.get()
+        mlay = lay.to_mgpu()
+        const = lambda c: vector.broadcast(mlay.registers_element_type(f32),
+                                           arith.constant(f32, c))
+        reg = arith.select(upper, const(hi), const(lo))
+        return mgpu_fa.FragmentedArray(_registers=np.full(mlay.registers_shape((n,)), reg,
+                                                          dtype=object),
+                                       _layout=mlay, _is_signed=None)
+
+    return make()
+
+
 def _wg_max_open(x, scratch_ref):
     """The row max of x (64, N) f32 (WGMMA layout) -> (N,) in the reduce(0) layout, as
     `_wg_reduce(x, "max", ...)` but with one warpgroup barrier instead of two: each warp's
@@ -1801,9 +1827,8 @@ def _make_kernel(
                                   interpret)
                         # columns 0-3 of the even plane's, 4-7 of the odd's, each with its
                         # field's weight
-                        wt = _halves(jnp.full((NP,), _field_sub_weight(key_bits, p0 % Pk), f32),
-                                     jnp.full((NP,), _field_sub_weight(key_bits, p1 % Pk), f32),
-                                     interpret)
+                        wt = _halves_const(_field_sub_weight(key_bits, p0 % Pk),
+                                           _field_sub_weight(key_bits, p1 % Pk), NP, interpret)
                         x = _halves(x0, x1, interpret)
                         out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bias[k])
                     return out
