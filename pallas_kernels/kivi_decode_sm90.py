@@ -288,7 +288,8 @@ class TuningConfig:
       planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
       added at the end (`_swap_halves`). With fold_k, both products on mma.sync, not with the
       per-warp softmax, fp8 values, fold_v_warp or the run-40 value fold. The interpreter runs
-      it too (its SMEM staging is for wgmma operands only).
+      it too (its SMEM staging is for wgmma operands only). choose_tuning sets it at 2-bit
+      G=128 (run 92: 3-4% faster at the anchor; G=32 even).
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -573,8 +574,13 @@ def choose_tuning(
     # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
     # with four even, with release_slots slower; with one even).
     spread = wg_per_block == 3
+    # Two planes per score tile where the query heads of a kv head fill at most half of mma's
+    # N (the kernel checks that; the flag only allows it): 2-bit G=128 at the anchor, W = 4,
+    # 0.1999/0.2051 -> 0.1935/0.1973 ms (run 92, one process); 2-bit G=32 even (0.2703/0.2765
+    # -> 0.2791/0.2750), so only G=128; 4-bit keeps its per-warp softmax, which excludes it.
+    pack = key_bits == value_bits == 2 and group_size == 128
     return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
-                               spread_copies=spread)
+                               spread_copies=spread, pack_planes=pack)
 
 
 def _swz(dtype, minor_elems):

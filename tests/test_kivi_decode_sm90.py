@@ -645,6 +645,10 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
     assert ct(8, 8, 131072, group_size=128).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=128).num_splits == 8
+    # two planes per score tile at 2-bit G=128 only (run 92)
+    assert ct(8, 8, 131072, group_size=128).pack_planes
+    assert not ct(8, 8, 131072, group_size=32).pack_planes
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
     assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
     assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
