@@ -3,6 +3,8 @@
 # operand, subnormal value fields, the minimums by one mma.sync per plane) against the twin,
 # an A/B against the previous kernel (bench/scratch/kd_main.py = `git show
 # 4dcdcbe:pallas_kernels/kivi_decode_sm90.py`, carried), then the kernel module's GPU tests.
+# (bench/scratch/fvw_check.py is at 6444631; bench/check_variant.py --flags fold_v_warp=1 does
+# the same check now that the flag is opt-in.)
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)

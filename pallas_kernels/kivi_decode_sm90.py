@@ -241,7 +241,10 @@ class TuningConfig:
       several warpgroups per block and below 16 steps per split (measured slower there, runs
       59-65).
     lazy_rescale: with warp_softmax, rescale a warp's accumulators only when its running max
-      grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way.
+      grows by more than _RESCALE_SLACK (`_lazy_rescale`); exact either way. Natively also in
+      the shared softmax (several warpgroups per block), where the max is the warpgroup's, on
+      the value paths whose B bound takes the slack (the subnormal value fold, the exact
+      dequantization; not fp8 values, fold_v_warp or the run-40 fold).
     copy_warp: one warp of each warpgroup issues its TMA copies (`_pipeline`'s one_warp)
       instead of all four; one-warpgroup blocks then take the kernel's own pipeline, compiled
       without auto barriers where `_no_auto_barriers` allows, in place of plgpu.emit_pipeline
@@ -274,6 +277,19 @@ class TuningConfig:
       anchor 0.2961/0.2899 -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the
       value dequantization gone, 256 per step and warp, but 88 more LDS and 106 more IMAD,
       docs/performance.md runs 87-91).
+    pack_planes: at most four query heads per kv head (mma's N = 8 then half padding), two
+      planes per score tile: q's heads are duplicated into the padding columns 4-7, both
+      planes' keys go against the same B = q * s_g, and the tile takes columns 0-3 of plane
+      2t's product and 4-7 of plane 2t + 1's (`_halves`: one select per register), each half
+      with its field's weight in the score epilogue; log2 s_t and the other per-token terms
+      are computed once per tile (`_halves` with rows). The
+      softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
+      once per tile instead of once per plane; P of a tile is the value product's B for both
+      planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
+      added at the end (`_swap_halves`). With fold_k, both products on mma.sync, not with the
+      per-warp softmax, fp8 values, fold_v_warp or the run-40 value fold. The interpreter runs
+      it too (its SMEM staging is for wgmma operands only). choose_tuning sets it at 2-bit
+      G=128 (run 92: 3-4% faster at the anchor; G=32 even).
     The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
     key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
     starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
@@ -307,6 +323,7 @@ class TuningConfig:
     spread_copies: bool = False
     vec64: bool = False
     fold_v_warp: bool = False
+    pack_planes: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -414,6 +431,22 @@ def _folds_values_warp(tuning: TuningConfig, group_size: int, head_dim: int, int
     return bool(tuning.fold_v_warp and tuning.mma_sync in ("values", "both")
                 and _uses_widen8(tuning, interpret) and not stage_smem
                 and head_dim // 4 <= group_size < head_dim)
+
+
+def _packs_planes(tuning: TuningConfig, group_size: int, head_dim: int, heads: int,
+                  interpret) -> bool:
+    """Whether a score tile holds two planes (`TuningConfig.pack_planes`): `heads` query heads
+    per kv head fit in half of mma's N = 8, the folded key product and the value product on
+    mma.sync, in the shared (not per-warp) softmax; not with fp8 values, fold_v_warp, the
+    run-40 value fold (fields with offsets) or the natural-order P layouts."""
+    fv = _folds_values(tuning, group_size, head_dim)
+    return bool(tuning.pack_planes and heads <= 4 and tuning.mma_sync == "both"
+                and _folds_keys_mma(tuning, group_size, head_dim)
+                and not _fp8_values(tuning, group_size, head_dim)
+                and not _warp_softmax(tuning, group_size, head_dim, interpret)
+                and not _folds_values_warp(tuning, group_size, head_dim, interpret)
+                and (tuning.subnormal_values or not fv)
+                and not tuning.p_direct and not tuning.p_concat)
 
 
 def value_channel_order(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
@@ -541,8 +574,13 @@ def choose_tuning(
     # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
     # with four even, with release_slots slower; with one even).
     spread = wg_per_block == 3
+    # Two planes per score tile where the query heads of a kv head fill at most half of mma's
+    # N (the kernel checks that; the flag only allows it): 2-bit G=128 at the anchor, W = 4,
+    # 0.1999/0.2051 -> 0.1935/0.1973 ms (run 92, one process); 2-bit G=32 even (0.2703/0.2765
+    # -> 0.2791/0.2750), so only G=128; 4-bit keeps its per-warp softmax, which excludes it.
+    pack = key_bits == value_bits == 2 and group_size == 128
     return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
-                               spread_copies=spread)
+                               spread_copies=spread, pack_planes=pack)
 
 
 def _swz(dtype, minor_elems):
@@ -668,11 +706,20 @@ def _widen8(codes_ref, transforms, exponent: bool = True, warp_rows=None):
                        return_type=plgpu.ShapeDtypeStruct((PLANE, X), jnp.uint16, layout=_WG))
     def widen(_, ref):
         if warp_rows is not None:  # rows a w + b - 16 w .. + 63: warp w's 16 at a w + b
+            # A per-warp base pointer under a static 64-row memref type, so that every load's
+            # address is that register plus a constant (run 91: a memref subview with a
+            # dynamic offset cost ~100 IMAD and LDS more per step).
             a, b = warp_rows
             _, warp = _lane_warp()
+            ty = ir.MemRefType(ref.type)
+            strides, _ = ty.get_strides_and_offset()
             t0 = arith.addi(arith.muli(warp, _i32((a - 16) // 8)), _i32(b // 8))
-            ref = mgpu_utils.memref_slice(
-                ref, mgpu_utils.ds(arith.index_cast(ir.IndexType.get(), t0), PLANE // 8))
+            off = arith.muli(t0, _i32(strides[0]))  # bytes: u8 elements
+            ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [off],
+                                           ir.IntegerType.get_signless(8))
+            ref = mgpu_utils.ptr_as_memref(ptr, ir.MemRefType.get(
+                (PLANE // 8, *ty.shape[1:]), ty.element_type,
+                ir.StridedLayoutAttr.get(0, strides), ty.memory_space))
         x = mgpu_fa.FragmentedArray.load_tiled(ref, swizzle, layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
                                                is_signed=False, optimized=False)
         i32 = ir.IntegerType.get_signless(32)
@@ -872,6 +919,80 @@ def _warp_col_max(at, i: int):
     for dist in (4, 8, 16):
         r = arith.maximumf(r, mgpu_utils.shfl_bfly(r, dist))
     return r
+
+
+def _swap_halves(x, interpret):
+    """x (64, 8) in the WGMMA layout or (8,) in its reduce(0) layout with columns 0-3 and 4-7
+    exchanged (pack_planes): lane (g, c) holds columns 2c, 2c + 1, so it is one butterfly
+    shuffle across lane bit 1 per register."""
+    if interpret:
+        return jnp.roll(x, 4, axis=-1)
+    lay = _WG if x.ndim == 2 else _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(lay,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=lay))
+    def swap(_, xa):
+        regs = np.empty_like(xa.registers)
+        for i, r in np.ndenumerate(xa.registers):
+            regs[i] = mgpu_utils.shfl_bfly(r, 2)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
+                                       _is_signed=xa.is_signed)
+
+    return swap(x)
+
+
+def _halves(lo, hi, interpret, rows: bool = False):
+    """(64, 8) tiles (WGMMA layout) or (8,) vectors (its reduce(0) layout) -> columns 0-3 of
+    lo and 4-7 of hi (pack_planes): one select per register on the lane's column half.
+
+    rows: lo, hi are (64,) row vectors (the reduce(1) layout) and the result holds lo in the
+    lanes of columns 0-3, hi in those of 4-7: a vector whose lanes disagree, valid only under a
+    broadcast along rows and elementwise use (as the per-warp vectors of `_vec_load`), so that
+    the per-token math of a tile's two planes costs one plane's. Not interpretable."""
+    if interpret:
+        assert not rows, "lane-dependent row vectors have no interpreter form"
+        col = lax.broadcasted_iota(jnp.int32, lo.shape, lo.ndim - 1)
+        return jnp.where(col < 4, lo, hi)
+    lay = _WG.reduce(1) if rows else _WG if lo.ndim == 2 else _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(lay, lay),
+                       return_type=plgpu.ShapeDtypeStruct(lo.shape, lo.dtype, layout=lay))
+    def pick(_, la, ha):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        regs = np.empty_like(la.registers)
+        for i in np.ndindex(regs.shape):
+            regs[i] = arith.select(upper, ha.registers[i], la.registers[i])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=la.layout,
+                                       _is_signed=la.is_signed)
+
+    return pick(lo, hi)
+
+
+def _halves_const(lo: float, hi: float, n: int, interpret):
+    """The (n,) f32 vector (the WGMMA layout's reduce(0)) of lo in columns 0-3 and hi in 4-7
+    (pack_planes), built in registers: constants passed into `_halves` stay splats that the
+    inline_mgpu argument cast cannot materialize (run 92: an unrealized_conversion_cast left in
+    the LLVM module)."""
+    if interpret:
+        return jnp.where(lax.broadcasted_iota(jnp.int32, (n,), 0) < 4, lo, hi).astype(jnp.float32)
+    lay = _WG.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.float32, layout=lay))
+    def make(_):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        f32 = ir.F32Type.get()
+        mlay = lay.to_mgpu()
+        const = lambda c: vector.broadcast(mlay.registers_element_type(f32),
+                                           arith.constant(f32, c))
+        reg = arith.select(upper, const(hi), const(lo))
+        return mgpu_fa.FragmentedArray(_registers=np.full(mlay.registers_shape((n,)), reg,
+                                                          dtype=object),
+                                       _layout=mlay, _is_signed=None)
+
+    return make()
 
 
 def _wg_max_open(x, scratch_ref):
@@ -1363,7 +1484,7 @@ def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, k
 
 def _make_kernel(
     *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
-    interpret, alt_layout: bool = False,
+    interpret, alt_layout: bool = False, pack: bool = False,
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
@@ -1390,7 +1511,15 @@ def _make_kernel(
     fvw = (_folds_values_warp(tuning, G, D, interpret, stage_smem) and not alt_layout
            and not wsm)
     vw_groups = tuple((D // 4) * w // G for w in range(4))  # (fvw) warp w's channel group
-    slack = _RESCALE_SLACK if wsm and tuning.lazy_rescale else 0.0
+    # pack_planes: score tile t holds planes 2t (columns 0-3) and 2t + 1 (columns 4-7)
+    pk = pack and not wsm and not alt_layout
+    tiles = planes // 2 if pk else planes
+    # lazy_rescale in the shared softmax (natively; the vsub and exact value paths, whose B
+    # bounds take the slack): the running max is the warpgroup's, so every warp takes the
+    # same branch of `_lazy_rescale`
+    lazy_sh = (tuning.lazy_rescale and not wsm and not interpret and mmv and not f8v
+               and not fvw and not (fv and not vsub) and not alt_layout)
+    slack = _RESCALE_SLACK if tuning.lazy_rescale and (wsm or lazy_sh) else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -1587,17 +1716,34 @@ def _make_kernel(
                 u = 2^-b_shift(p) / s_t and z_t * u, with s_t clamped to 2^-24 so that a zero
                 scale stays finite. The B operand is then B = 2^(logit + log2 s_t - m +
                 b_shift(p)) = P * s_t * c_p, and P = B * u, P * z_t = B * (z_t * u): one fma
-                each for the sums."""
-                out = []
-                for p in range(planes):
-                    sv = plgpu.load(v["vscale"](p)(0), (), layout=_WG.reduce(1))
-                    zv = plgpu.load(v["vmin"](p)(0), (), layout=_WG.reduce(1))
-                    l2s = jnp.log2(jnp.maximum(sv.astype(jnp.float32), 2.0 ** -24))
+                each for the sums. pk: per tile, plane 2t's in columns 0-3 and 2t + 1's in 4-7
+                (natively computed once per tile on lane-dependent row vectors, `_halves`)."""
+                f32 = jnp.float32
+                ld = lambda which, p: plgpu.load(v[which](p)(0), (), layout=_WG.reduce(1))
+                bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
+
+                def terms(sv, zv, nb):
+                    l2s = jnp.log2(jnp.maximum(sv.astype(f32), 2.0 ** -24))
                     # u from log2 s_t (two instructions) rather than a division, which
                     # compiles to ~8 with its range checks (SASS, docs/performance.md run 52)
-                    u = jnp.exp2(-b_shift(p) - l2s)
-                    bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [0])
-                    out.append((bc(l2s), bc(u), bc(zv.astype(jnp.float32) * u)))
+                    u = jnp.exp2(nb - l2s)
+                    return bc(l2s), bc(u), bc(zv.astype(f32) * u)
+
+                if pk and not interpret:
+                    out = []
+                    for t in range(tiles):
+                        pick = lambda f, t=t: _halves(f(2 * t), f(2 * t + 1), False,
+                                                      rows=True)
+                        nb = pick(lambda p: plgpu.layout_cast(
+                            jnp.full((PLANE,), -b_shift(p), f32), _WG.reduce(1)))
+                        out.append(terms(pick(lambda p: ld("vscale", p)),
+                                         pick(lambda p: ld("vmin", p)), nb))
+                    return out
+                out = [terms(ld("vscale", p), ld("vmin", p), -b_shift(p)) for p in range(planes)]
+                if pk:
+                    out = [tuple(_halves(a, b, interpret) for a, b in
+                                 zip(out[2 * t], out[2 * t + 1], strict=True))
+                           for t in range(tiles)]
                 return out
 
             def v_codes_sub(v, p, m, cache):
@@ -1632,15 +1778,22 @@ def _make_kernel(
                 q = qb[0]  # (D, NP) B operand (registers natively, an array interpreted)
                 if interpret:  # per warp's 16 rows (its own group), in jnp
                     out = []
-                    for p in range(planes):
-                        r = p // Pk
-                        a = _field_sub(widen_k0(v["kcodes"](r, 0)), key_bits, p % Pk)
+                    for t in range(tiles):
+                        # pk: the odd plane against B with q's heads in columns 4-7
+                        ps_ = (2 * t, 2 * t + 1) if pk else (t,)
                         blocks = []
-                        for w, g in enumerate(_warp_groups(p, G)):
-                            bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
-                            x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
+                        for w in range(4):
+                            xs = []
+                            for p in ps_:
+                                g = _warp_groups(p, G)[w]
+                                a = _field_sub(widen_k0(v["kcodes"](p // Pk, 0)), key_bits,
+                                               p % Pk)
+                                bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
+                                x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
+                                xs.append(x * _field_sub_weight(key_bits, p % Pk))
+                            x = _halves(*xs, interpret) if pk else xs[0]
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
-                            blocks.append(x * _field_sub_weight(key_bits, p % Pk) + bias[None])
+                            blocks.append(x + bias[None])
                         out.append(jnp.concatenate(blocks, axis=0))
                     return out
                 vecs, codes, bqs = {}, {}, {}
@@ -1665,6 +1818,26 @@ def _make_kernel(
                     ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
                     c = _mma(zero, _rows_of(vec("kmin", ka), vec("kmin", kb)), q, interpret)
                     bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                if pk:  # planes 2t, 2t + 1 (one key group) into one tile
+                    out = []
+                    for t in range(tiles):
+                        p0, p1 = 2 * t, 2 * t + 1
+                        r, k = p0 // Pk, key[p0]
+                        if r not in codes:
+                            codes[r] = widen_k0(v["kcodes"](r, 0))
+                        if k not in bqs:  # q (in both halves) * s_g
+                            bqs[k] = _scale_rhs(q, vec("kscale", k))
+                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), bqs[k],
+                                  interpret)
+                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), bqs[k],
+                                  interpret)
+                        # columns 0-3 of the even plane's, 4-7 of the odd's, each with its
+                        # field's weight
+                        wt = _halves_const(_field_sub_weight(key_bits, p0 % Pk),
+                                           _field_sub_weight(key_bits, p1 % Pk), NP, interpret)
+                        x = _halves(x0, x1, interpret)
+                        out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bias[k])
+                    return out
                 out = []
                 for p in range(planes):
                     r, k = p // Pk, key[p]
@@ -1743,29 +1916,46 @@ def _make_kernel(
 
                 def masked(xs):  # the tokens at and past n (ragged lengths, padding) drop out
                     rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=_WG)
-                    return [jnp.where(tok0 + _plane_tokens(p, rows) < n, x, -jnp.inf)
-                            for p, x in enumerate(xs)]
+                    if pk:  # columns 4-7 of tile t are plane 2t + 1's
+                        odd = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 1, layout=_WG) >= 4
+                        tok = lambda t: jnp.where(odd, _plane_tokens(2 * t + 1, rows),
+                                                  _plane_tokens(2 * t, rows))
+                    else:
+                        tok = lambda p: _plane_tokens(p, rows)
+                    return [jnp.where(tok0 + tok(p) < n, x, -jnp.inf) for p, x in enumerate(xs)]
 
                 # Only the last sub-step of a row can hold such tokens: the others skip the
                 # compare and select per element (a branch per sub-step instead).
                 st = lax.cond(tok0 + SUB <= n, list, masked, st)
                 if lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
-                    pre = val_prep(v)
+                    pre = val_prep(v)  # (pk: per tile)
                     st = [x + pre[p][0] for p, x in enumerate(st)]
                 if wsm:
                     return warp_sub_step(v, st, pre, (m_run, l_t, accs, zaccs))
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
-                m_new = jnp.maximum(m_run, loop_max(tmax))
-                alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
-                ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                mx = loop_max(tmax)
+                if pk:  # a head's max over both halves (its even and odd planes)
+                    mx = jnp.maximum(mx, _swap_halves(mx, interpret))
+                if lazy_sh:  # rescaled only when the max grew by more than the slack
+                    nz = len(zaccs)
+                    m_new, (l_t, *rest) = _lazy_rescale(m_run, mx, [l_t, *zaccs, *accs], slack)
+                    zaccs, accs = tuple(rest[:nz]), tuple(rest[nz:])
+                    resc = lambda x: x
+                else:
+                    m_new = jnp.maximum(m_run, mx)
+                    alpha = jnp.exp2(m_run - m_new)  # logits in log2 units (`_kivi_decode`)
+                    ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
+                    resc = lambda x: x * ab
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
                     bs = []
                     for p, x in enumerate(st):
-                        mc = lax.broadcast_in_dim(m_new - b_shift(p), (PLANE, NP), [1])
+                        mv = (_halves(m_new - b_shift(2 * p), m_new - b_shift(2 * p + 1),
+                                      interpret) if pk else m_new - b_shift(p))
+                        mc = lax.broadcast_in_dim(mv, (PLANE, NP), [1])
                         bs.append(jnp.exp2(x - mc))
-                    l_t, zacc = l_t * ab, zaccs[0] * ab
+                    l_t, zacc = resc(l_t), resc(zaccs[0])
                     for p, x in enumerate(bs):
                         l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                     zaccs = (zacc,)
@@ -1773,28 +1963,28 @@ def _make_kernel(
                     ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_shift(p), (PLANE, NP),
                                                             [1]))
                           for p, x in enumerate(st)]
-                    l_t = l_t * ab
+                    l_t = resc(l_t)
                     for p, x in enumerate(ps):
                         l_t = l_t + x * 2.0 ** -vw_shift(p)
-                    zaccs = tuple(z * ab for z in zaccs)
+                    zaccs = tuple(resc(z) for z in zaccs)
                 else:
                     mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
                     ps = [jnp.exp2(x - mb) for x in st]
-                    l_t = l_t * ab
+                    l_t = resc(l_t)
                     for x in ps:
                         l_t = l_t + x
-                accs = tuple(a * ab for a in accs)
+                accs = tuple(resc(a) for a in accs)
                 if tuning.skip == "values":
                     return m_new, l_t, accs, zaccs
                 corr = None
                 if fv and not vsub:
-                    corr, zaccs = _fold_values(v, ps, tuple(z * ab for z in zaccs))
+                    corr, zaccs = _fold_values(v, ps, tuple(resc(z) for z in zaccs))
                 if f8v:  # the B operand of every plane: e4m3 (through fp16) of B'
                     for p in range(planes):
                         x16 = plgpu.layout_cast(bs[p].astype(f16), _WGT)
                         p_s.at[p].T[...] = x16.astype(p_s.dtype)
                 if vsub:
-                    for p in range(planes):
+                    for p in range(tiles):
                         _store_p(bs[p].astype(f16), p)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
@@ -1809,7 +1999,7 @@ def _make_kernel(
                     pb = lambda p: p_s.at[:, pl.ds(p * PLANE, PLANE)].T
                 else:
                     if not (fv or f8v):
-                        for p in range(planes):
+                        for p in range(tiles):
                             _store_p(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
                 if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
@@ -1822,6 +2012,14 @@ def _make_kernel(
                     _wg_sync(interpret)
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     for p in range(planes):
+                        if pk:  # tile p // 2's P: B of both its planes, whose products go to
+                            # the even (accs[:mtiles]) and odd (accs[mtiles:]) sets
+                            if p % 2 == 0:
+                                b = _mma_rhs(pb(p // 2), interpret)
+                            for mt in range(mtiles):
+                                i = mt + mtiles * (p % 2)
+                                new[i] = _mma(new[i], vt(v, p, mt, cache), b, interpret)
+                            continue
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
                             vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
@@ -1947,7 +2145,8 @@ def _make_kernel(
             m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles))
+            # pk: the value products of the even planes, then of the odd planes
+            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles * (2 if pk else 1)))
             z0 = (zero(),) if fv or f8v or fvw else ()  # fv, f8v, fvw: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
@@ -1979,12 +2178,19 @@ def _make_kernel(
                     jnp.exp2(m_run - jnp.where(m_all == -jnp.inf, 0.0, m_all)), (PLANE, NP), [1])
                 m_run, l_t, zaccs = m_all, l_t * fw, (zaccs[0] * fw,)
             l = red(l_t, "add")
+            if pk:  # columns 0-3: heads over the even planes; 4-7: over the odd ones
+                l = l + _swap_halves(l, interpret)
+                accs = [accs[mt] + _swap_halves(accs[mtiles + mt], interpret)
+                        for mt in range(mtiles)]
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
             ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
             if fv or f8v:  # the minimums' term; lgmax: the codes' product weighs 2^-1 (f8v)
                 # or 2^(_VSUB_C - 24) (vsub)
-                zs = lax.broadcast_in_dim(red(zaccs[0], "add"), (PLANE, NP), [1])
+                zs = red(zaccs[0], "add")
+                if pk:
+                    zs = zs + _swap_halves(zs, interpret)
+                zs = lax.broadcast_in_dim(zs, (PLANE, NP), [1])
                 cw = 2.0 if f8v else float(2 ** (24 - _VSUB_C + slack)) if vsub else 1.0
                 if wsm:  # o = sum over warps of acc * fw * cw / l, plus zs / l
                     for mt in range(mtiles):
@@ -2182,6 +2388,9 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
+    pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
+    if pack:  # q's heads also in columns 4-7 (they are zero padding): B for both planes
+        qf = qf + jnp.roll(qf, 4, axis=3)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:
@@ -2192,7 +2401,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
         cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
-                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout)
+                        stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
+                        pack=pack)
     return kern, (meta, qf, *cache), nq
 
 

@@ -14,11 +14,14 @@ first, deterministic run to run.
 import dataclasses
 import functools
 import math
+import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kivi_jax.quant import pack_tokens, to_cache_order
@@ -176,9 +179,39 @@ def _cross_lower(case):
     def f(q, nt, layer, *cache):
         return kd.kivi_decode(q, *cache, nt, layer, **kw)
 
-    lowered = jax.jit(f).trace(q, jnp.asarray(lengths, jnp.int32), jnp.int32(layer),
-                               *cache).lower(lowering_platforms=("cuda",))
+    modules = []
+    serde = mosaic_core._run_serde_pass
+
+    def spy(module, **kwargs):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, **kwargs)
+
+    with mock.patch.object(mosaic_core, "_run_serde_pass", spy):
+        lowered = jax.jit(f).trace(q, jnp.asarray(lengths, jnp.int32), jnp.int32(layer),
+                                   *cache).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+    assert modules, "no Mosaic GPU module was lowered"
+    for m in modules:
+        bad = splat_register_casts(m)
+        assert not bad, f"{len(bad)} splat constants cast into registers: {bad[:2]}"
+
+
+def splat_register_casts(module_asm: str) -> list[str]:
+    """Casts of splat constants into a tiled layout's registers in a lowered Mosaic GPU module.
+
+    Cross-lowering stops before Mosaic's LLVM passes, which cannot reconcile these (a constant
+    passed into `plgpu.inline_mgpu` stays a splat: run 92 failed natively with "LLVM
+    Translation failed for operation: builtin.unrealized_conversion_cast"); this finds them on
+    any machine."""
+    defs = dict(re.findall(r"^\s*(%[\w#]+)(?::\d+)? = (.*)$", module_asm, re.M))
+    cast = r"builtin\.unrealized_conversion_cast (%[\w#]+) : (\S+) to "
+    bad = []
+    for rhs in defs.values():
+        m = re.match(cast + "vector<", rhs)
+        src = defs.get(m.group(1), "") if m else ""
+        if re.match(cast + "vector<", src) and re.match(r"[fi]\d+$|bf16$", re.match(cast, src)[2]):
+            bad.append(rhs[:120])
+    return bad
 
 
 @pytest.mark.parametrize("case", CASES[:6], ids=IDS[:6])
@@ -266,6 +299,23 @@ FLAG_CASES = [
      TC(256, 2, 2, fold_k=True, wg_per_block=3, fold_v_warp=True)),
     (1, 4, 2, 64, 1024, 4, 4, 32, jnp.bfloat16, (700,), 0,
      TC(512, 1, 2, fold_k=True, fold_v_warp=True)),
+    # two planes per score tile (at most four query heads per kv head): G = 128 with three
+    # warpgroups and a ragged row, G = 32 (exact values), 4-bit with three heads, mixed bits
+    # at D = 64 with two heads
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, warp_softmax=False, pack_planes=True)),
+    (2, 4, 1, 128, 1024, 2, 2, 32, jnp.bfloat16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, pack_planes=True)),
+    (2, 6, 2, 128, 1024, 4, 4, 128, jnp.bfloat16, (1000, 513), 0,
+     TC(512, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    (1, 4, 2, 64, 512, 2, 4, 64, jnp.float16, (450,), 0,
+     TC(256, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    # the conditional rescale in the shared softmax (native only: cross-lowered here), with and
+    # without packed planes
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=4, warp_softmax=False, lazy_rescale=True)),
+    (2, 4, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, lazy_rescale=True, pack_planes=True)),
 ]
 FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-reload"
             f"{int(c[-1].reload_codes)}-lean{int(c[-1].lean_values)}-foldv{int(c[-1].fold_v)}"
@@ -274,6 +324,7 @@ FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-rel
             f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
             f"-lazy{int(c[-1].lazy_rescale)}-cw{int(c[-1].copy_warp)}{int(c[-1].release_slots)}"
             f"-sp{int(c[-1].spread_copies)}{int(c[-1].vec64)}-fvw{int(c[-1].fold_v_warp)}"
+            f"-pk{int(c[-1].pack_planes)}"
             for c in FLAG_CASES]
 
 
@@ -392,6 +443,26 @@ def test_value_warp_fold_gating_and_channel_order():
     assert not kd._folds_values_warp(dataclasses.replace(on, mma_sync="keys"), 32, 128, False)
     assert kd.value_channel_order(TC(fold_k=True), 32, 128, False) is None
     assert (kd.value_channel_order(on, 32, 64, False) == np.arange(64)).all()
+
+
+def test_plane_packing_gating():
+    """pack_planes applies where the query heads of a kv head fit in half of mma's N = 8, with
+    the folded key product and both products on mma.sync, not in the per-warp softmax or with
+    fp8 values, fold_v_warp or the run-40 value fold; the interpreter takes it too."""
+    on = TC(fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True)
+    for heads, G, D in ((4, 128, 128), (1, 32, 128), (3, 64, 64)):
+        assert kd._packs_planes(on, G, D, heads, False)
+        assert kd._packs_planes(on, G, D, heads, plgpu.InterpretGPUParams())
+    assert not kd._packs_planes(on, 128, 128, 5, False)  # 5..8 heads fill N = 8
+    assert not kd._packs_planes(TC(fold_k=True, wg_per_block=4), 128, 128, 4, False)  # opt-in
+    assert not kd._packs_planes(dataclasses.replace(on, fold_k=False), 128, 128, 4, False)
+    assert not kd._packs_planes(dataclasses.replace(on, mma_sync="keys"), 128, 128, 4, False)
+    assert not kd._packs_planes(dataclasses.replace(on, fp8_values=True), 128, 128, 4, False)
+    assert not kd._packs_planes(dataclasses.replace(on, subnormal_values=False), 128, 128, 4,
+                                False)
+    assert not kd._packs_planes(dataclasses.replace(on, fold_v_warp=True), 32, 128, 4, False)
+    # the per-warp softmax (one warpgroup per block, 256-token steps) keeps its own path
+    assert not kd._packs_planes(TC(fold_k=True, pack_planes=True), 128, 128, 4, False)
 
 
 def test_no_auto_barriers_gating():
@@ -574,6 +645,10 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
     assert ct(8, 8, 131072, group_size=128).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=128).num_splits == 8
+    # two planes per score tile at 2-bit G=128 only (run 92)
+    assert ct(8, 8, 131072, group_size=128).pack_planes
+    assert not ct(8, 8, 131072, group_size=32).pack_planes
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
     assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
     assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
@@ -734,6 +809,31 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 4, 4, 32, jnp.bfloat16, TC(512, 4, 2, fold_k=True, fold_v_warp=True)),
     (2, 16, 16, 64, 4096, 2, 2, 32, jnp.float16,
      TC(256, 3, 2, fold_k=True, wg_per_block=3, fold_v_warp=True)),
+    # two planes per score tile (`pack_planes`): the anchor's 2-bit G=128 (four warpgroups,
+    # release_slots) and G=32 (three, spread_copies) launches, 4-bit G=128 with one warpgroup
+    # and three heads, mixed bits at D = 64 with one head
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, warp_softmax=False,
+        pack_planes=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, pack_planes=True)),
+    (2, 24, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
+     TC(512, 4, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16,
+     TC(256, 3, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    # the conditional rescale in the shared softmax (`lazy_rescale` without warp_softmax), alone
+    # and with packed planes, at the anchor's 2-bit launches
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, warp_softmax=False,
+        lazy_rescale=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, lazy_rescale=True)),
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, release_slots=True, warp_softmax=False,
+        lazy_rescale=True, pack_planes=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, lazy_rescale=True,
+        pack_planes=True)),
 ]
 
 
