@@ -1,0 +1,34 @@
+"""bench/sass_static.py: the main loop's opcode mix from nvdisasm text (no GPU or CUDA needed)."""
+import importlib.util
+import pathlib
+
+_spec = importlib.util.spec_from_file_location(
+    "sass_static", pathlib.Path(__file__).parent.parent / "bench" / "sass_static.py")
+sass_static = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_static)
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDS.128 R4, [R2] ;
+.L_x_2:
+        /*0020*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0030*/               @P0 BRA `(.L_x_2) ;
+        /*0040*/                   LOP3.LUT R5, R5, 0x3030303, RZ, 0xc0, !PT ;
+        /*0050*/              @!P1 LOP3.LUT R6, R6, 0xc0c0c0c, RZ, 0xc0, !PT ;
+        /*0060*/                   BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+.L_x_3:
+        /*0080*/                   BRA `(.L_x_3) ;
+"""
+
+
+def test_largest_loop_with_nested_loops_and_predicates():
+    mix, lo, hi = sass_static.main_loop_mix(SASS)
+    assert (lo, hi) == (1, 6)  # .L_x_1 .. its backward branch; MOV and EXIT outside
+    assert mix == {"LDS": 1, "HMMA": 1, "BRA": 2, "LOP3": 2}
+
+
+def test_no_loop():
+    mix, lo, hi = sass_static.main_loop_mix("        /*0000*/                   EXIT ;\n")
+    assert not mix and (lo, hi) == (0, -1)
