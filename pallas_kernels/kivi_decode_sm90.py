@@ -754,14 +754,18 @@ def _pairs64(ref, idx):
 
 
 def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
-              wide: bool = False):
+              wide: bool = False, align4: bool = False):
     """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
 
     rows_ref: (X,) or, with rows, (n, X) vectors of which warp w loads row rows[w] (the group
     its 16 tile rows lie in), so the warps hold different vectors (valid only under a row
     broadcast and elementwise use: `_group_vecs`, `kfold_scores`). perm: in the `_PERM16`
     order of the widen8 path; wide (with perm): two registers per 64-bit load (`_pairs64`)
-    instead of one per 32-bit load. Not interpretable (inline Mosaic GPU).
+    instead of one per 32-bit load. align4 (perm, not wide): the 32-bit loads marked 4-byte
+    aligned (they are: even element offsets in rows of >= 64 elements); without it MLIR gives
+    them the element's 2 and LLVM may not prove more where the row offset is dynamic (the
+    fold_v_warp suspect of run 91: 88 more LDS per step than the IR's loads). Not
+    interpretable (inline Mosaic GPU).
     """
     X = rows_ref.shape[-1]
 
@@ -790,7 +794,8 @@ def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
         else:
             for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
                 col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
-                regs.append(vector.load(pair_ty, ref, [ix(col)]))
+                regs.append(vector.load(pair_ty, ref, [ix(col)],
+                                        alignment=4 if align4 else None))
         return mgpu_fa.FragmentedArray(
             _registers=np.array(regs, dtype=object).reshape(
                 mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
@@ -2023,7 +2028,7 @@ def _make_kernel(
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
                             vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
-                                                    wide=tuning.vec64)
+                                                    wide=tuning.vec64, align4=True)
                             zv = vec(v["vmin"](p))
                             c = _mma(zero(), _rows_of(zv, zv), b, interpret)
                             zaccs = (zaccs[0] + c * 2.0 ** -vw_shift(p),)
