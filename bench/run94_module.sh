@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run 94 (one device call; pack_planes on by default at 2-bit G=128): the kernel module's GPU
 # cases and the dispatch tests natively (run 94 gave them 330 s and 90 s: too little on a cold
-# compile cache), then the anchor A/B of the new default against
-# pack_planes=0 (two pairs, one process).
+# compile cache), then the anchor A/B of the new default against pack_planes=0 (two pairs, one
+# process).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)
