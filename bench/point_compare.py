@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/point_compare.py --points 16x4096,4x32768 --kbg 2:128 \
         --variants "default;fold_k=0;subnormal_values=0"
 
-Timing as bench/decode_attention.py (Hq=32, Hkv=8, D=128). A variant is "default"
+Timing as bench/decode_attention.py (Hq=--hq, default 32; Hkv=8, D=128). A variant is "default"
 (choose_tuning's) or comma-separated overrides of it (`decode_attention.override`); with
 --prev FILE[,FILE2..] (earlier kivi_decode_sm90.py files, e.g. from `git show
 REV:pallas_kernels/...`), a variant "prev" ("prev2", ..) or "prev:overrides" runs that module's
@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--points", default="16x4096,4x32768", help="BxT list")
     ap.add_argument("--kbg", default="2:128", help="bits:G list")
     ap.add_argument("--variants", default="default;fold_k=0;subnormal_values=0")
+    ap.add_argument("--hq", type=int, default=32, help="query heads (Hkv=8, D=128)")
     ap.add_argument("--prev", default="",
                     help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()
@@ -37,7 +38,8 @@ def main():
         spec = importlib.util.spec_from_file_location(f"kd_{name}", path)
         mods[name] = sys.modules[f"kd_{name}"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods[name])  # (dataclasses look their module up there)
-    Hq, Hkv, D = 32, 8, 128
+    Hq, Hkv, D = a.hq, 8, 128
+    print(f"Hq={Hq}, Hkv={Hkv}, D={D}")
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
     for pt in a.points.split(","):
         B, T = map(int, pt.split("x"))

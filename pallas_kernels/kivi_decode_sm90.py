@@ -253,15 +253,17 @@ class TuningConfig:
       even). Native only.
     release_slots: with copy_warp in a kernel without auto barriers, a slot is handed back to
       the issuing warp by an mbarrier every thread arrives on (only that warp waits) instead
-      of a warpgroup barrier before the step's copies (`choose_tuning` takes it with four
-      warpgroups per block: run 69, 1-2.5% faster; with three even to 2.5% slower). Native
-      only.
+      of a warpgroup barrier before the step's copies (`choose_tuning` took it with four
+      warpgroups per block: run 69, 1-2.5% faster; with three even to 2.5% slower; with the
+      packed planes it no longer pays, runs 96-98, and is off there). Native only.
     spread_copies: with copy_warp, a step's copies are dealt over the warpgroup's four warps
       (copy j from warp (issuer + j) % 4) instead of all issued by one: the warps meet at
       barriers every step, so the issuing warp's extra work (each copy's coordinates in
       uniform registers, its arrival) lengthens every warp's step. Native only.
     vec64: the key scale and minimum vectors of fold_k loaded two registers per 64-bit load
-      (`_pairs64`) instead of one per 32-bit load.
+      (`_pairs64`) instead of one per 32-bit load; with fold_v_warp, also its per-warp value
+      scale and minimum vectors (`_warp_vec_load`'s wide). Alone even (run 98); with
+      fold_v_warp the pair that makes it pay (below).
     fold_v_warp: with the value product on mma.sync and several channel groups per token (G <
       D, where fold_v does not apply), fold the value scale into each warp's B operand: warp w
       takes the channels (D/4) w .. (D/4) (w + 1) - 1 of the value tiles (`_widen8` with
@@ -272,11 +274,13 @@ class TuningConfig:
       the minimums (`_rows_of`). P is stored as P * 2^(_VW_C - bits j) so that the subnormal
       fields of every plane weigh alike; B stays finite while s * P * 2^_VW_C < 65504, i.e.
       value scales below 4096 (a 2-bit group spanning 12288, a 4-bit one 61440). The output
-      rows come out in that channel order and are put back by `_kivi_decode`. Native only;
-      opt-in: exact to the same tolerance but slower as built (run 90: 2-bit G=32 at the
-      anchor 0.2961/0.2899 -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the
-      value dequantization gone, 256 per step and warp, but 88 more LDS and 106 more IMAD,
-      docs/performance.md runs 87-91).
+      rows come out in that channel order and are put back by `_kivi_decode`. Native only.
+      With 32-bit vector loads it was slower (run 90: 2-bit G=32 at the anchor 0.2961/0.2899
+      -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the value dequantization gone,
+      256 per step and warp, but 88 more LDS and 106 more IMAD; run 97 even); with vec64 it
+      pays: 2-bit G=32 at the anchor 0.2716/0.2722/0.2716/0.2736 -> 0.2463/0.2500/0.2478/
+      0.2503 ms (runs 97-98), 1-9% over (B, T) at 2-bit, mixed at 4-bit (-2.4..+8%), so
+      `choose_tuning` sets both at 2-bit G < D (docs/performance.md runs 97-98).
     pack_planes: at most four query heads per kv head (mma's N = 8 then half padding), two
       planes per score tile: q's heads are duplicated into the padding columns 4-7, both
       planes' keys go against the same B = q * s_g, and the tile takes columns 0-3 of plane
@@ -290,10 +294,12 @@ class TuningConfig:
       per-warp softmax, fp8 values, fold_v_warp or the run-40 value fold. The interpreter runs
       it too (its SMEM staging is for wgmma operands only). choose_tuning sets it at 2-bit
       G=128 (run 92: 3-4% faster at the anchor; G=32 even).
-    The flags' defaults are `choose_tuning`'s choices except fold_k (which it sets with the
-    key product on mma.sync); the launch parameters (num_splits, wg_per_block) are a generic
-    starting point: `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128:
-    W=4, S=8; docs/performance.md runs 40-42, 47).
+    Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
+    with the key product on mma.sync; release_slots, spread_copies, pack_planes, fold_v_warp
+    and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay); the launch
+    parameters (num_splits, wg_per_block) are a generic starting point: `choose_tuning` sizes
+    them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8; docs/performance.md runs
+    40-42, 47).
     """
 
     block_tokens: int = 256
@@ -566,21 +572,29 @@ def choose_tuning(
     # (B=1 T=8k/32k, run 65). With W = 4 it is slower (2-bit G=128 at the anchor 0.229-0.232 ->
     # 0.232-0.240 ms, runs 59-60: 32 accumulator registers under ptxas's cap of 128).
     wsm = wg_per_block == 1 and -(-steps // S) >= _WSM_MIN_STEPS
-    # Slots handed back through an mbarrier with four warpgroups (2-bit G=128 at the anchor
-    # 0.2258 -> 0.2200-0.2230 ms, B=32 T=32k 0.2238-0.2255 -> 0.2209-0.2229; run 69); with
-    # three (2-bit G=32) even to 2.5% slower.
-    release = wg_per_block == 4
-    # With three, the copies dealt over the warps instead (2-bit G=32 at the anchor, four A/B
-    # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
-    # with four even, with release_slots slower; with one even).
-    spread = wg_per_block == 3
     # Two planes per score tile where the query heads of a kv head fill at most half of mma's
     # N (the kernel checks that; the flag only allows it): 2-bit G=128 at the anchor, W = 4,
     # 0.1999/0.2051 -> 0.1935/0.1973 ms (run 92, one process); 2-bit G=32 even (0.2703/0.2765
     # -> 0.2791/0.2750), so only G=128; 4-bit keeps its per-warp softmax, which excludes it.
-    pack = key_bits == value_bits == 2 and group_size == 128
+    # Slots handed back through an mbarrier with four warpgroups (2-bit G=128 at the anchor
+    # 0.2258 -> 0.2200-0.2230 ms, B=32 T=32k 0.2238-0.2255 -> 0.2209-0.2229; run 69); with
+    # three (2-bit G=32) even to 2.5% slower. With the packed planes the warpgroup barrier
+    # is no slower: release_slots=0 at W = 4, 2-bit G=128, was even or faster in eight
+    # A/B pairs (runs 96-98: B=8 T=128k -0.1..-3.4%, B=32 T=32k -0.2/-1.7%).
+    pack = key_bits == value_bits == 2 and group_size == 128 and mma_sync == "both"
+    release = wg_per_block == 4 and not pack
+    # With three, the copies dealt over the warps instead (2-bit G=32 at the anchor, four A/B
+    # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
+    # with four even, with release_slots slower; with one even).
+    spread = wg_per_block == 3
+    # The value scale folded per warp with 64-bit vector loads where several channel groups
+    # share a token (G < D; the kernel checks D/4 <= G): 2-bit G=32 at the anchor 0.272 ->
+    # 0.248-0.250 ms (four pairs, runs 97-98), B=32 -7..-8%, B=1 and B=8 with one warpgroup
+    # -1..-8% (run 98); at 4 bits mixed (-2.4..+8%), so only 2-bit.
+    fvw = key_bits == value_bits == 2 and group_size < head_dim
     return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
-                               spread_copies=spread, pack_planes=pack)
+                               spread_copies=spread, pack_planes=pack, fold_v_warp=fvw,
+                               vec64=fvw)
 
 
 def _swz(dtype, minor_elems):

@@ -294,9 +294,11 @@ FLAG_CASES = [
     (2, 8, 1, 128, 1024, 2, 2, 32, jnp.bfloat16, (1024, 300), 1,
      TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, vec64=True)),
     # the value scale folded per warp (G < D; native only), 2-bit G = 32 with three
-    # warpgroups and 4-bit G = 32 at D = 64
+    # warpgroups, spread copies and 64-bit vector loads (choose_tuning's launch), and 4-bit
+    # G = 32 at D = 64 with 32-bit loads
     (2, 8, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
-     TC(256, 2, 2, fold_k=True, wg_per_block=3, fold_v_warp=True)),
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True)),
     (1, 4, 2, 64, 1024, 4, 4, 32, jnp.bfloat16, (700,), 0,
      TC(512, 1, 2, fold_k=True, fold_v_warp=True)),
     # two planes per score tile (at most four query heads per kv head): G = 128 with three
@@ -502,8 +504,11 @@ def test_warp_softmax_gating():
     big = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     assert big.wg_per_block == 4 and not big.warp_softmax
     # one warp issues the copies wherever warpgroups share a block; the slots go back through
-    # an mbarrier with four of them (measured even to slower with three)
-    assert big.copy_warp and big.release_slots
+    # an mbarrier with four of them unless the planes are packed (runs 96-98: even to faster
+    # without), measured even to slower with three
+    assert big.copy_warp and big.pack_planes and not big.release_slots
+    assert kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128,
+                            fp8_values=True, mma_sync="keys").release_slots
     # with three, the copies are dealt over the warps instead (runs 73, 76: 0.7-2.2% faster)
     g32 = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=32)
     assert g32.wg_per_block == 3 and g32.copy_warp and not g32.release_slots
@@ -649,6 +654,17 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(8, 8, 131072, group_size=128).pack_planes
     assert not ct(8, 8, 131072, group_size=32).pack_planes
     assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
+    # the value scale folded per warp with 64-bit vector loads at 2-bit G < D (runs 97-98),
+    # at every (B, T); not at 4 bits (mixed), not at G = D (fold_v folds it there)
+    for B, T in ((8, 131072), (1, 8192), (32, 32768)):
+        t = ct(B, 8, T, group_size=32)
+        assert t.fold_v_warp and t.vec64 and kd._folds_values_warp(t, 32, 128, False)
+    assert ct(8, 8, 131072, group_size=32, head_dim=64).fold_v_warp
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).fold_v_warp
+    assert not ct(8, 8, 131072, key_bits=2, value_bits=4, group_size=32).fold_v_warp
+    big = ct(8, 8, 131072, group_size=128)
+    assert not big.fold_v_warp and not big.vec64
+    assert not ct(8, 8, 131072, group_size=64, head_dim=64).fold_v_warp
     assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
     assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
     assert ct(8, 8, 131072, group_size=128, mma_sync="").wg_per_block == 1
@@ -834,6 +850,19 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, lazy_rescale=True,
         pack_planes=True)),
+    # choose_tuning's launches of stop 22: 2-bit G < D with the value scale folded per warp
+    # and 64-bit vector loads (G = 32 with three warpgroups and spread copies, G = 64 with
+    # three, D = 64 G = 32 with one), and the packed anchor with the warpgroup barrier
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True)),
+    (2, 32, 8, 128, 8192, 2, 2, 64, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True)),
+    (2, 16, 16, 64, 4096, 2, 2, 32, jnp.bfloat16,
+     TC(256, 3, 2, fold_k=True, fold_v_warp=True, vec64=True)),
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True)),
 ]
 
 
