@@ -32,18 +32,21 @@ multiply per register of q's B operand (`_scale_rhs`) per group of the warp's ro
 mma.sync per two such groups (`_rows_of`: rows 0-7 one group's minimums, rows 8-15 another's),
 and the scores are acc * 2^(24 - bits*j) + q . z_g. Values (`subnormal_values`): B = P * s_t *
 2^(14 - bits*j) against a running max over logit + log2 s_t (`val_prep`, as fp8_values does),
-which weighs every plane's codes alike. The magic-number fields below remain for wgmma and the
-opt-outs.
+which weighs every plane's codes alike. At 2-bit G < D, where a token's channels span several
+value groups, each warp takes the channels of one group (`fold_v_warp`, with its scale and
+minimum vectors by 64-bit loads, `vec64`; runs 97-99: 2-bit G=32 at the anchor 0.272 -> 0.248
+ms): B = P * s_{g_w,t} per warp and z . P from one more mma.sync per plane. The magic-number
+fields below remain for wgmma and the opt-outs.
 
 Around the products (runs 52-55; 2-bit G=128 0.249 -> 0.231 ms): a 256-token sub-step passes
 two warpgroup barriers, the cross-warp max's (`_wg_max_open`) and the one before P is read
 (`_wg_sync`); the kernel streams its blocks through its own pipeline (`_pipeline`) compiled
 without Mosaic's auto barriers (`_no_auto_barriers`), so a step's six TMA copies share one
 barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 1-6% at the
-anchor's 2-bit and 4-bit launches; with four warpgroups the slots go back to that warp through
-an mbarrier, `release_slots`; with three the copies are dealt over the four warps,
-`spread_copies`, runs 73-76: 1-2%); the ragged-length mask
-runs only on a row's last sub-step; P is transposed in registers (`movmatrix`) and stored as
+anchor's 2-bit and 4-bit launches; with four warpgroups and unpacked planes the slots go back
+to that warp through an mbarrier, `release_slots`; with three the copies are dealt over the
+four warps, `spread_copies`, runs 73-76: 1-2%); the ragged-length mask runs only on a row's
+last sub-step; P is transposed in registers (`movmatrix`) and stored as
 32-bit words (`_store_p_perm`).
 
 The per-warp softmax (`TuningConfig.warp_softmax`, runs 59-65; `choose_tuning` takes it in

@@ -817,8 +817,9 @@ GPU_CASES = [  # larger shapes, native production variant
     (3, 72, 4, 128, 8192, 2, 2, 64, jnp.bfloat16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, vec64=True)),
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16, TC(256, 4, 2, fold_k=True, vec64=True)),
-    # the value scale folded per warp (`fold_v_warp`, opt-in; runs 90-91): 2-bit G = 32 with
-    # three warpgroups, G = 64 with mixed bits, 4-bit G = 32 with one warpgroup, D = 64 G = 32
+    # the value scale folded per warp (`fold_v_warp`, runs 90-91; with vec64 the default at
+    # 2-bit G < D since run 98) with 32-bit vector loads: 2-bit G = 32 with three warpgroups,
+    # G = 64 with mixed bits, 4-bit G = 32 with one warpgroup, D = 64 G = 32
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
      TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True)),
     (2, 32, 8, 128, 8192, 4, 2, 64, jnp.bfloat16, TC(256, 4, 2, fold_k=True, fold_v_warp=True)),
