@@ -88,8 +88,9 @@ def main():
         for flags in a.flags.split(";"):
             name = f"{kb}_{vb}_{G}_{flags.replace(',', '_').replace('=', '') or 'default'}"
             path = os.path.join(a.out, f"{name}.ptx")
+            ptx = compile_ptx(kb, vb, G, flags, hq=a.hq, D=a.D)  # raises where Mosaic fails
             with open(path, "w") as fh:
-                fh.write(compile_ptx(kb, vb, G, flags, hq=a.hq, D=a.D))
+                fh.write(ptx)
             print(path, flush=True)
 
 
