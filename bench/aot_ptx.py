@@ -48,7 +48,7 @@ def compile_ptx(kb: int, vb: int, G: int, flags: str, *, hq: int = 32, D: int = 
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     B, Hkv, T, L = 2, 8, 8192, 1
     tun = da.override(kd.choose_tuning(8, Hkv, 131072, key_bits=kb, value_bits=vb,
-                                       group_size=G, head_dim=D), flags)
+                                       group_size=G, head_dim=D, q_heads=hq // Hkv), flags)
     cache = (S((L, B, Hkv, T * kb // 8, D), jnp.uint8), S((L, B, Hkv, T // G, D), jnp.float16),
              S((L, B, Hkv, T // G, D), jnp.float16), S((L, B, Hkv, D, T * vb // 8), jnp.uint8),
              S((L, B, Hkv, D // G, T), jnp.float16), S((L, B, Hkv, D // G, T), jnp.float16))

@@ -482,6 +482,11 @@ def _min_block(key_bits: int, value_bits: int) -> int:
     return PLANE * max(8 // key_bits, 8 // value_bits)
 
 
+def _padded_heads(q_heads: int) -> int:
+    """The query heads of a kv head as the kernel pads them (mma's N: multiples of 8)."""
+    return max(8, -(-q_heads // 8) * 8)
+
+
 def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_size: int,
                head_dim: int = 128, padded_heads: int = 16) -> int:
     """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
@@ -498,7 +503,7 @@ def choose_tuning(
     batch: int, kv_heads: int, max_tokens: int, *, key_bits: int = 2, value_bits: int = 2,
     group_size: int = 128, head_dim: int = 128, num_sms: int = 132,
     block_tokens: int | None = None, stages: int = 2, wg_per_block: int | None = None,
-    fp8_values: bool = False, mma_sync: str | None = None,
+    fp8_values: bool = False, mma_sync: str | None = None, q_heads: int = 8,
 ) -> TuningConfig:
     """Heuristic launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -516,7 +521,9 @@ def choose_tuning(
     against W=3 in one process): 2-bit G=32 with B * Hkv * T >= 2^22 takes W=3 (+5-7%: B=8
     T=128k 0.389 -> 0.361 ms, B=32 T=32k/128k); below that W=3 loses (up to -15% at B=8
     T=8k), and at G=128 (2/4-bit) it is even or slower, so those keep W=1.
-    `fp8_values` sets that opt-in flag (where it applies).
+    `fp8_values` sets that opt-in flag (where it applies). `q_heads`: query heads per kv head,
+    which size P and the q / output tiles in shared memory (padded to 8; `kivi_decode` passes
+    its own): past 8, fewer warpgroups per block or shorter steps where W pipelines do not fit.
     `mma_sync` (None: chosen here): each product runs on warp-level mma.sync unless it takes
     an 8-bit wgmma (fp8_values where it applies): on the H200 mma.sync did the
     fp16 products of both at B=8 T=128k faster than wgmma (2-bit G=128 0.350 -> 0.310 ms,
@@ -540,8 +547,11 @@ def choose_tuning(
     # the key scale folded into mma.sync's B in registers (run 46: 2-bit G=128 0.286 -> 0.264
     # ms, 4-bit 0.357 -> 0.340, G=32 even; the same error, run 47)
     base = dataclasses.replace(base, fold_k=_mma_keys(base))
+    # P and the q / output tiles take the query heads of a kv head padded to mma's N = 8:
+    # past 8 of them, fewer warpgroups or shorter steps may be all that fits
     size = functools.partial(smem_bytes, key_bits=key_bits, value_bits=value_bits,
-                             group_size=group_size, head_dim=head_dim, padded_heads=8)
+                             group_size=group_size, head_dim=head_dim,
+                             padded_heads=_padded_heads(q_heads))
     if wg_per_block is None:
         big = batch * kv_heads * max_tokens >= 1 << 22
         many = key_bits == 2 and big and (group_size == 32 or mma_sync in ("keys", "both"))
@@ -2472,7 +2482,8 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
         interpret = False
     if tuning is None:
         tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
-                               group_size=group_size, head_dim=D, fp8_values=low_precision)
+                               group_size=group_size, head_dim=D, fp8_values=low_precision,
+                               q_heads=q.shape[1] // Hkv)
     elif low_precision:  # the fp8 value product on wgmma (fp8 mma.sync was slower, run 39)
         tuning = dataclasses.replace(
             tuning, fp8_values=True,
@@ -2487,7 +2498,7 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
         raise ValueError(f"tuning.block_tokens={tuning.block_tokens} > {256 * (8 // key_bits)} "
                          f"(256 rows of {key_bits}-bit key codes per copy)")
     smem = smem_bytes(tuning, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                      head_dim=D, padded_heads=max(8, -(-(q.shape[1] // Hkv) // 8) * 8))
+                      head_dim=D, padded_heads=_padded_heads(q.shape[1] // Hkv))
     if smem > SMEM_LIMIT:
         raise ValueError(f"tuning={tuning} needs about {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT}): fewer stages or smaller block_tokens")
@@ -2578,7 +2589,7 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
             raise ValueError(f"fp8_values needs group_size == head_dim, got G={G}, D={D}")
         if tuning is None:
             tuning = choose_tuning(B, Hkv, Tq, key_bits=key_bits, value_bits=value_bits,
-                                   group_size=G, head_dim=D)
+                                   group_size=G, head_dim=D, q_heads=nq)
         s1 = jnp.maximum(vs[:, :, 0], 2.0 ** -24)[:, :, None]  # [B,H,1,Tq]
         lg = logits + jnp.log(s1)
         ref = _running_max(lg, tuning)  # the kernel's reference point of every token

@@ -675,6 +675,14 @@ def test_choose_tuning_warpgroups_per_block():
         t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, wg_per_block=3)
         assert t.wg_per_block == 3
         assert kd.smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G) <= kd.SMEM_LIMIT
+    # past 8 query heads per kv head P and the q / output tiles grow: the launch still fits
+    # (kivi_decode passes its head count), with fewer warpgroups where W pipelines do not
+    for kb, G, heads in ((2, 32, 32), (2, 128, 32), (2, 128, 16), (4, 128, 64), (2, 32, 8)):
+        t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, q_heads=heads)
+        assert kd.smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G,
+                             padded_heads=heads) <= kd.SMEM_LIMIT, (kb, G, heads)
+    assert ct(8, 8, 131072, group_size=32, q_heads=32).wg_per_block < 3
+    assert ct(8, 8, 131072, group_size=32, q_heads=8) == ct(8, 8, 131072, group_size=32)
     for G in (128, 32):  # three 4-bit pipelines of 256-token steps (a block of the cache order)
         with pytest.raises(ValueError, match="shared memory"):
             ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=G, wg_per_block=3)
