@@ -2408,7 +2408,7 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
             "the cache's stored byte order (kivi_jax.quant.swap_bytes)")
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
-    NP = max(16 if tuning.p_direct else 8, -(-nq // 8) * 8)
+    NP = max(16 if tuning.p_direct else 8, _padded_heads(nq))
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
     sm_scale = sm_scale * float(np.log2(np.e))
