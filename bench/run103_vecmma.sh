@@ -4,6 +4,9 @@
 # term and the key bias of one group: natively against the twin (GPU cases of fold_v_warp,
 # packed planes and stop 22's launches), A/B against the previous kernel (bench/prev_kd_run103.py,
 # the module at the commit before) at 2-bit G=32 and G=128, and PTX for bench/sass_static.py.
+# Not taken (docs/performance.md, runs 97-103): the code is on branch vec-mma; to rerun,
+#   git checkout vec-mma && git show vec-mma~1:pallas_kernels/kivi_decode_sm90.py \
+#     > bench/prev_kd_run103.py && bash bench/run103_vecmma.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)

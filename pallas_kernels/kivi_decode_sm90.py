@@ -273,11 +273,13 @@ class TuningConfig:
       warp_rows), which lie in one group g_w (G >= D/4), so its B is fp16(P * s_{g_w,t})
       (one fp16x2 multiply per register, `_scale_rhs`), the code fields enter as fp16
       subnormals (`_field_sub`: one and per element pair, no offset, no scale, no minimum),
-      and q . z becomes sum_t z_{g_w,t} P_t from one more mma.sync per plane whose A rows are
-      the minimums (`_rows_of`). P is stored as P * 2^(_VW_C - bits j) so that the subnormal
-      fields of every plane weigh alike; B stays finite while s * P * 2^_VW_C < 65504, i.e.
-      value scales below 4096 (a 2-bit group spanning 12288, a 4-bit one 61440). The output
-      rows come out in that channel order and are put back by `_kivi_decode`. Native only.
+      and q . z becomes sum_t z_{g_w,t} P_t: one more mma.sync per plane and warp over the
+      warp's own 16 tokens whose A rows are the minimums of every group (`_group_min_mma`),
+      the four warps' partials added once per split (`_warp_group_sum`). P is stored as P *
+      2^(_VW_C - bits j) so that the subnormal fields of every plane weigh alike; B stays
+      finite while s * P * 2^_VW_C < 65504, i.e. value scales below 4096 (a 2-bit group
+      spanning 12288, a 4-bit one 61440). The output rows come out in that channel order and
+      are put back by `_kivi_decode`. Native only.
       With 32-bit vector loads it was slower (run 90: 2-bit G=32 at the anchor 0.2961/0.2899
       -> 0.3029/0.3023 ms; run 91's profile: the HADD2/HFMA2 of the value dequantization gone,
       256 per step and warp, but 88 more LDS and 106 more IMAD; run 97 even); with vec64 it
@@ -1347,6 +1349,113 @@ def _rows_of(za, zb):
     return rows(za, zb)
 
 
+_MMA_K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
+            "{$8,$9}, {$10,$11,$12,$13};")
+
+
+def _group_min_mma(z_rows, b):
+    """fold_v_warp's minimums term, split over the warps by tokens instead of by groups: (64, N)
+    f32 (WGMMA layout) whose row g < n of warp w holds z_rows[g] . b over the warp's own 16
+    tokens (rows 16 w .. 16 w + 15 of b); `_warp_group_sum` adds the four warps' rows at the
+    end. z_rows: (n, 64) fp16 SMEM, the minimums of the n value groups of a plane's tokens in
+    the `_PERM16` order; b: (64, N) mma.sync's B (P of the plane, as every warp holds it).
+    One m16n8k16 per warp and 8 columns, its A a lane's group row from one 64-bit load (rows
+    g + 8 zero), where each warp's own group over all 64 tokens took four, with an A operand
+    ptxas built of moves (runs 97-103: 144 IMAD.MOV in the loop against the default's 65).
+    Native only (fold_v_warp is)."""
+    n, K = z_rows.shape
+    N = b.shape[1]
+    if K != PLANE or b.shape[0] != PLANE or N % 8 or not 1 <= n <= 8:
+        raise ValueError(f"_group_min_mma: z_rows {z_rows.shape}, b {b.shape}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.MMA_RHS(b.dtype)),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, N), jnp.float32, layout=_WG))
+    def prod(_, ref, ba):
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        lane, warp = _lane_warp()
+        # lane (g, t): row g's tokens 16 w + 2t, +1 (k-lo) and 16 w + 8 + 2t, +1 (k-hi), the
+        # four consecutive positions 16 w + 4t .. + 3; rows g >= n repeat the last (dropped)
+        row = arith.minui(arith.shrui(lane, _i32(2)), _i32(n - 1))
+        col = arith.addi(arith.muli(warp, _i32(16)), arith.muli(arith.andi(lane, _i32(3)),
+                                                                 _i32(4)))
+        lo, hi = _pairs64(mgpu_utils.memref_slice(ref, ix(row)), [ix(col)])
+        zero_i = arith.constant(i32, 0)
+        a = [mgpu_utils.bitcast(lo, i32), zero_i, mgpu_utils.bitcast(hi, i32), zero_i]
+        bs = {kn: mgpu_utils.bitcast(r, i32) for kn, r in _origins(ba).items()}
+        is_w = {w: arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w)) for w in range(1, 4)}
+
+        def own(k, n0):  # b's register of the warp's token block 16 w + k
+            r = bs[k, n0]
+            for w in range(1, 4):
+                r = arith.select(is_w[w], bs[16 * w + k, n0], r)
+            return r
+
+        zero = arith.constant(f32, 0.0)
+        pair = ir.VectorType.get((2,), f32)
+        struct = llvm.StructType.get_literal([f32] * 4)
+        rows = {}
+        for n0 in range(0, N, 8):
+            out = llvm.inline_asm(struct, [*a, own(0, n0), own(8, n0), zero, zero, zero, zero],
+                                  _MMA_K16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                  has_side_effects=False)
+            c = [llvm.extractvalue(f32, out, [i]) for i in range(4)]
+            rows[0, n0] = vector.from_elements(pair, c[:2])
+            rows[8, n0] = vector.from_elements(pair, c[2:])
+        lay = mgpu_fa.WGMMA_LAYOUT
+        regs = np.empty(lay.registers_shape((PLANE, N)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            regs[i] = rows[r0 % 16, c0]
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
+
+    return prod(z_rows, b)
+
+
+def _warp_group_sum(x, groups: tuple[int, ...], scratch_ref):
+    """x (64, N) f32 of `_group_min_mma` sums (row g < n of each warp: its partial for group
+    g) -> (64, N) whose 16 rows of warp w all hold the four warps' sum for group groups[w]:
+    each warp's rows through scratch_ref (rows >= n into a slot never read), a warpgroup
+    barrier, each thread adds the four warps' values of its warp's group, and a second
+    barrier before the scratch is written again. Once per split. Native only."""
+    N = x.shape[1]
+    n = max(groups) + 1
+    if 4 * (n + 1) * N > _RED_SCRATCH:
+        raise ValueError(f"_warp_group_sum: {n} groups x {N} columns exceed the scratch")
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=_WG))
+    def total(_, xa, ref):
+        at = _origins(xa)
+        lane, warp = _lane_warp()
+        c2 = arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        slot = arith.minui(arith.shrui(lane, _i32(2)), _i32(n))
+        idx = lambda w, g, i: arith.index_cast(ir.IndexType.get(), arith.addi(
+            arith.muli(arith.addi(arith.muli(w, _i32(n + 1)), g), _i32(N)),
+            arith.addi(_i32(8 * i), c2)))
+        for i in range(N // 8):
+            vector.store(at[(0, 8 * i)], ref, [idx(warp, slot, i)])
+        mgpu_utils.warpgroup_barrier()
+        mine = _i32(groups[0])
+        for w in range(1, 4):
+            if groups[w] != groups[0]:
+                mine = arith.select(arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w)),
+                                    _i32(groups[w]), mine)
+        vty = ir.VectorType(at[(0, 0)].type)
+        sums = {}
+        for i in range(N // 8):
+            vals = [vector.load(vty, ref, [idx(_i32(w), mine, i)]) for w in range(4)]
+            sums[8 * i] = arith.addf(arith.addf(vals[0], vals[1]), arith.addf(vals[2], vals[3]))
+        mgpu_utils.warpgroup_barrier()
+        regs = np.empty_like(xa.registers)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            regs[i] = sums[c0] if r0 % 16 == 0 else _fresh(sums[c0])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout, _is_signed=None)
+
+    return total(x, scratch_ref)
+
+
 def _row_half(x, h: int):
     """x (64, N) in the WGMMA layout with rows 16 w + 8 h + (0..7) of every warp copied over
     its 16 rows: the (64, N) broadcast of the h-th vector of a `_rows_of` product. Per
@@ -2056,8 +2165,8 @@ def _make_kernel(
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
                             vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
                                                     wide=tuning.vec64, align4=True)
-                            zv = vec(v["vmin"](p))
-                            c = _mma(zero(), _rows_of(zv, zv), b, interpret)
+                            # the minimums' term of all groups over the warp's own tokens
+                            c = _group_min_mma(v["vmin"](p)(0, max(vw_groups) + 1), b)
                             zaccs = (zaccs[0] + c * 2.0 ** -vw_shift(p),)
                             b = _scale_rhs(b, vec(v["vscale"](p)))
                         for mt in range(mtiles):
@@ -2231,8 +2340,10 @@ def _make_kernel(
                     _merge_warp_rows([a * (fw * (cw * ib)) for a in accs], o_s)
                 else:
                     accs = [(a * cw if cw != 1.0 else a) + zs for a in accs]
-            if fvw:  # the codes' product weighs 2^(_VW_C - 24); the warp's minimums' term
-                accs = [a * float(2 ** (24 - _VW_C)) + zaccs[0] for a in accs]
+            if fvw:  # the codes' product weighs 2^(_VW_C - 24); the warp's minimums' term,
+                # its group's sums over the four warps' tokens
+                zt = _warp_group_sum(zaccs[0], vw_groups, red_s)
+                accs = [a * float(2 ** (24 - _VW_C)) + zt for a in accs]
             for mt in range(mtiles if not wsm else 0):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
             # log2 units -> natural log
