@@ -495,7 +495,7 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     TS, D, G = tuning.block_tokens, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
     W = tuning.wg_per_block
-    red = _RED_SCRATCH * 4  # per-warpgroup reduction scratch (f32)
+    red = _red_scratch(padded_heads) * 4  # per-warpgroup reduction scratch (f32)
     p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
     per_wg = tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3 + red
     return W * per_wg + 4096
@@ -627,7 +627,14 @@ _VSUB_C = 14
 # bits j) <= 2^_VW_C s stays finite for value scales below 2^(16 - _VW_C) and normal down to
 # P * s = 2^-14 (2^-12 at the 2-bit field 3).
 _VW_C = 4
-_RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup
+_RED_SCRATCH = 512  # f32 elements of cross-warp reduction scratch per warpgroup (at least)
+
+
+def _red_scratch(padded_heads: int) -> int:
+    """f32 elements of a warpgroup's reduction scratch: `_RED_SCRATCH`, or more where
+    `_warp_group_sum` needs it (four warps x five rows x the padded heads: past 24 heads per kv
+    head)."""
+    return max(_RED_SCRATCH, 4 * 5 * padded_heads)
 # warp_softmax: the running max may lag the true one by this much (log2 units) before the
 # accumulators are rescaled (`_lazy_rescale`); B = P * s_t * 2^(_VSUB_C - slack - bits j) then
 # stays <= 2^14 as before.
@@ -1420,7 +1427,7 @@ def _warp_group_sum(x, groups: tuple[int, ...], scratch_ref):
     barrier before the scratch is written again. Once per split. Native only."""
     N = x.shape[1]
     n = max(groups) + 1
-    if 4 * (n + 1) * N > _RED_SCRATCH:
+    if n > 4 or 4 * (n + 1) * N > _red_scratch(N):
         raise ValueError(f"_warp_group_sum: {n} groups x {N} columns exceed the scratch")
 
     @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
@@ -2392,7 +2399,7 @@ def _make_kernel(
         if release:
             scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
-        scratch["red_s"] = plgpu.SMEM(per_wg(_RED_SCRATCH), jnp.float32)
+        scratch["red_s"] = plgpu.SMEM(per_wg(_red_scratch(NP)), jnp.float32)
     scratch_names = list(scratch)
     if W > 1:
         grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), num_threads=W,

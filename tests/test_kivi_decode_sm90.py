@@ -302,7 +302,7 @@ FLAG_CASES = [
     (1, 4, 2, 64, 1024, 4, 4, 32, jnp.bfloat16, (700,), 0,
      TC(512, 1, 2, fold_k=True, fold_v_warp=True)),
     (1, 32, 1, 128, 512, 2, 2, 32, jnp.float16, (500,), 0,
-     TC(256, 2, 2, fold_k=True, fold_v_warp=True, vec64=True)),  # 32 query heads per kv head
+     TC(256, 2, 2, fold_k=True, fold_v_warp=True, vec64=True)),  # 32 heads: a larger scratch
     # two planes per score tile (at most four query heads per kv head): G = 128 with three
     # warpgroups and a ragged row, G = 32 (exact values), 4-bit with three heads, mixed bits
     # at D = 64 with two heads
@@ -874,7 +874,7 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(256, 3, 2, fold_k=True, fold_v_warp=True, vec64=True)),
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True)),
-    # fold_v_warp at 32 query heads per kv head (four column tiles per warp)
+    # fold_v_warp at 32 query heads per kv head (the group sums' scratch past its default)
     (2, 32, 1, 128, 8192, 2, 2, 32, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, fold_v_warp=True, vec64=True)),
 ]
