@@ -1360,63 +1360,67 @@ _MMA_K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$
             "{$8,$9}, {$10,$11,$12,$13};")
 
 
-def _group_min_mma(z_rows, b):
+def _group_min_mma(z_rows, p_ref):
     """fold_v_warp's minimums term, split over the warps by tokens instead of by groups: (64, N)
-    f32 (WGMMA layout) whose row g < n of warp w holds z_rows[g] . b over the warp's own 16
-    tokens (rows 16 w .. 16 w + 15 of b); `_warp_group_sum` adds the four warps' rows at the
-    end. z_rows: (n, 64) fp16 SMEM, the minimums of the n value groups of a plane's tokens in
-    the `_PERM16` order; b: (64, N) mma.sync's B (P of the plane, as every warp holds it).
-    One m16n8k16 per warp and 8 columns, its A a lane's group row from one 64-bit load (rows
-    g + 8 zero), where each warp's own group over all 64 tokens took four, with an A operand
-    ptxas built of moves (runs 97-103: 144 IMAD.MOV in the loop against the default's 65).
-    Native only (fold_v_warp is)."""
+    f32 (WGMMA layout) whose row g < n of warp w holds z_rows[g] . P over the warp's own 16
+    tokens (16 w .. 16 w + 15); `_warp_group_sum` adds the four warps' rows at the end.
+    z_rows: (n, 64) fp16 SMEM, the minimums of the n value groups of a plane's tokens in the
+    `_PERM16` order; p_ref: the plane's P as `_store_p_perm` stored it ([N, 64], 128-byte
+    swizzle). One m16n8k16 per warp and 8 heads: A is a lane's group row (rows g + 8 zero), B
+    the warp's 16 tokens of head g, each one 64-bit load (in the `_PERM16` order a lane's k-lo
+    and k-hi pairs are four consecutive elements), where each warp's own group over all 64
+    tokens took four m16n8k16 whose A operand ptxas built of moves (runs 97-103). Native only
+    (fold_v_warp is)."""
     n, K = z_rows.shape
-    N = b.shape[1]
-    if K != PLANE or b.shape[0] != PLANE or N % 8 or not 1 <= n <= 8:
-        raise ValueError(f"_group_min_mma: z_rows {z_rows.shape}, b {b.shape}")
+    N = p_ref.shape[0]
+    if K != PLANE or p_ref.shape[1] != PLANE or N % 8 or not 1 <= n <= 8:
+        raise ValueError(f"_group_min_mma: z_rows {z_rows.shape}, P {p_ref.shape}")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.MMA_RHS(b.dtype)),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
+                                  plgpu.RefType(transforms=_swz(jnp.float16, PLANE))),
                        return_type=plgpu.ShapeDtypeStruct((PLANE, N), jnp.float32, layout=_WG))
-    def prod(_, ref, ba):
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    def prod(_, ref, pref):
+        i8, i32, f32 = (ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32),
+                        ir.F32Type.get())
         ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         lane, warp = _lane_warp()
-        # lane (g, t): row g's tokens 16 w + 2t, +1 (k-lo) and 16 w + 8 + 2t, +1 (k-hi), the
-        # four consecutive positions 16 w + 4t .. + 3; rows g >= n repeat the last (dropped)
-        row = arith.minui(arith.shrui(lane, _i32(2)), _i32(n - 1))
-        col = arith.addi(arith.muli(warp, _i32(16)), arith.muli(arith.andi(lane, _i32(3)),
-                                                                 _i32(4)))
+        g, t = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
+        # A: row g's tokens 16 w + 2t, +1 (k-lo) and 16 w + 8 + 2t, +1 (k-hi), the positions
+        # 16 w + 4t .. + 3; rows g >= n repeat the last (their products are dropped)
+        row = arith.minui(g, _i32(n - 1))
+        col = arith.addi(arith.muli(warp, _i32(16)), arith.muli(t, _i32(4)))
         lo, hi = _pairs64(mgpu_utils.memref_slice(ref, ix(row)), [ix(col)])
         zero_i = arith.constant(i32, 0)
         a = [mgpu_utils.bitcast(lo, i32), zero_i, mgpu_utils.bitcast(hi, i32), zero_i]
-        bs = {kn: mgpu_utils.bitcast(r, i32) for kn, r in _origins(ba).items()}
-        is_w = {w: arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w)) for w in range(1, 4)}
-
-        def own(k, n0):  # b's register of the warp's token block 16 w + k
-            r = bs[k, n0]
-            for w in range(1, 4):
-                r = arith.select(is_w[w], bs[16 * w + k, n0], r)
-            return r
-
+        # B: head 8 i + g, the same positions: bytes 32 w + 8t of its 128-byte row, in the
+        # 16-byte chunk 2 w + t // 2, which the swizzle xors with the row (as `_store_p_perm`)
+        chunk = arith.addi(arith.muli(warp, _i32(2)), arith.shrui(t, _i32(1)))
+        off = arith.addi(arith.addi(arith.muli(g, _i32(128)),
+                                    arith.muli(arith.xori(chunk, g), _i32(16))),
+                         arith.muli(arith.andi(t, _i32(1)), _i32(8)))
+        base = mgpu_utils.memref_ptr(pref)
+        pair_i = ir.VectorType.get((2,), i32)
         zero = arith.constant(f32, 0.0)
         pair = ir.VectorType.get((2,), f32)
         struct = llvm.StructType.get_literal([f32] * 4)
         rows = {}
-        for n0 in range(0, N, 8):
-            out = llvm.inline_asm(struct, [*a, own(0, n0), own(8, n0), zero, zero, zero, zero],
-                                  _MMA_K16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-                                  has_side_effects=False)
-            c = [llvm.extractvalue(f32, out, [i]) for i in range(4)]
-            rows[0, n0] = vector.from_elements(pair, c[:2])
-            rows[8, n0] = vector.from_elements(pair, c[2:])
+        for i in range(N // 8):
+            at = mgpu_utils.getelementptr(base, [arith.addi(off, _i32(i * 1024))], i8)
+            bq = llvm.load(pair_i, at, alignment=8)
+            b = [vector.extract(bq, dynamic_position=[], static_position=[k]) for k in (0, 1)]
+            out = llvm.inline_asm(struct, [*a, *b, zero, zero, zero, zero], _MMA_K16,
+                                  "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
+            c = [llvm.extractvalue(f32, out, [k]) for k in range(4)]
+            rows[0, 8 * i] = vector.from_elements(pair, c[:2])
+            rows[8, 8 * i] = vector.from_elements(pair, c[2:])
         lay = mgpu_fa.WGMMA_LAYOUT
         regs = np.empty(lay.registers_shape((PLANE, N)), dtype=object)
-        for i in np.ndindex(regs.shape):
-            r0, c0 = lay.tiling.untile_indices(i)
-            regs[i] = rows[r0 % 16, c0]
+        for idx in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(idx)
+            regs[idx] = rows[r0 % 16, c0]
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
 
-    return prod(z_rows, b)
+    return prod(z_rows, p_ref)
 
 
 def _warp_group_sum(x, groups: tuple[int, ...], scratch_ref):
@@ -2173,7 +2177,8 @@ def _make_kernel(
                             vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
                                                     wide=tuning.vec64, align4=True)
                             # the minimums' term of all groups over the warp's own tokens
-                            c = _group_min_mma(v["vmin"](p)(0, max(vw_groups) + 1), b)
+                            c = _group_min_mma(v["vmin"](p)(0, max(vw_groups) + 1),
+                                               p_s.at[p])
                             zaccs = (zaccs[0] + c * 2.0 ** -vw_shift(p),)
                             b = _scale_rhs(b, vec(v["vscale"](p)))
                         for mt in range(mtiles):
