@@ -6,7 +6,7 @@
 # with fold_v_warp: 50-53 with 32-bit loads, 62-64 the default launches at G=32, G=64, D=64,
 # 66 at 32 query heads per kv head (a larger scratch);
 # bench/check_variant.py over the cases where it applies), A/B against main's module at 2-bit
-# G=32 and G=64, and PTX of the G=32 default for bench/sass_static.py. First:
+# G=32 and G=64, and main's kernel on GPU case 66. First:
 #   git show main:pallas_kernels/kivi_decode_sm90.py > bench/prev_kd_run104.py
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
@@ -25,7 +25,10 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 130 python3 bench/point_compare.py \
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 130 python3 bench/point_compare.py \
   --points 32x32768,1x131072 --kbg 2:32,2:64 --prev bench/prev_kd_run104.py --variants "$V" \
   | tee -a "$OUT/ab_${D}_run104.txt"
-d=/tmp/ptx_2_32; rm -rf "$d"; mkdir -p "$d"
-MOSAIC_GPU_DUMP_TO="$d" MOSAIC_GPU_DUMP_PTX=1 timeout 60 python3 bench/dump_ptx.py --kb 2 \
-  --G 32 --flags "" > "$d/log.txt" 2>&1
-echo "ptx rc=$?"; cp "$d"/*.ptx "$OUT/ptx_2_32_group_min_${D}_run104.ptx"
+# main's kernel on case 66 (fold_v_warp at 32 query heads per kv head; stop 22 ran it
+# cross-lowered only). The PTX comes from the deviceless compile (bench/aot_ptx.py) instead.
+cp pallas_kernels/kivi_decode_sm90.py /tmp/kd_group_min.py
+cp bench/prev_kd_run104.py pallas_kernels/kivi_decode_sm90.py
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  "$T[66]" 2>&1 | tail -2 | sed 's/^/main: /' | tee -a "$OUT/pytest_gpu_${D}_run104.txt"
+cp /tmp/kd_group_min.py pallas_kernels/kivi_decode_sm90.py
