@@ -7,7 +7,7 @@
 # 66 at 32 query heads per kv head (a larger scratch);
 # bench/check_variant.py over the cases where it applies), A/B against main's module at 2-bit
 # G=32 and G=64, and main's kernel on GPU case 66. First:
-#   git show main:pallas_kernels/kivi_decode_sm90.py > bench/prev_kd_run104.py
+#   git show e3543e9:pallas_kernels/kivi_decode_sm90.py > bench/prev_kd_run104.py
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)
