@@ -8,7 +8,8 @@ MOSAIC_GPU_DUMP_PTX=1 python3 bench/dump_ptx.py ...`, ~80 KB a variant), then he
 assembles each with ptxas (sm_90a, as Mosaic does), disassembles it with nvdisasm and counts
 the opcodes (without modifiers: LDS.128 -> LDS) of the largest loop: the span from a label to
 the last backward branch to it that holds the most instructions, i.e. the kernel's step loop
-with everything nested in it. Static counts: a branch's both sides are counted once each, so
+with everything nested in it (`--loop step`: the smallest loop with as many HMMA, the step
+loop alone). Static counts: a branch's both sides are counted once each, so
 they match a profile's per-step dynamic counts only where the loop body is straight-line (the
 ragged mask and the conditional rescale are small branches). nvdisasm: the PyPI wheel
 `nvidia-cuda-nvdisasm` (`pip download --no-deps nvidia-cuda-nvdisasm`, unzip). The dynamic
@@ -41,22 +42,31 @@ def disassemble(ptx: str, ptxas: str, nvdisasm: str) -> tuple[str, str]:
     return sass, f"{regs.group(1)} registers" if regs else "?"
 
 
-def main_loop_mix(sass: str) -> tuple[collections.Counter, int, int]:
-    """Opcode counts of the largest loop, and its first and last instruction index (an empty
-    count and (0, -1) where there is no backward branch)."""
+def main_loop_mix(sass: str, loop: str = "largest") -> tuple[collections.Counter, int, int]:
+    """Opcode counts of a loop, and its first and last instruction index (an empty count and
+    (0, -1) where there is no backward branch). loop="largest": the largest span from a label
+    to a backward branch to it (the kernel's loop with its prologue and epilogue and the copy
+    issue nested in it); "step": the smallest such span that holds as many HMMA as any, i.e.
+    the step loop alone, closer to a profile's per-step dynamic counts."""
     instrs, labels = [], {}
     for line in sass.splitlines():
         if m := _LABEL.match(line.strip()):
             labels[m.group(1)] = len(instrs)
         elif m := _INSTR.search(line):
             instrs.append((m.group(2), line))
-    best = (0, -1)  # no loop: nothing
+    loops = []
     for i, (_, line) in enumerate(instrs):
         m = _BRANCH.search(line)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
-            start = labels[m.group(1)]
-            if i - start > best[1] - best[0]:
-                best = (start, i)
+            loops.append((labels[m.group(1)], i))
+    if not loops:
+        return collections.Counter(), 0, -1
+    if loop == "step":
+        mma = lambda span: sum(op == "HMMA" for op, _ in instrs[span[0]:span[1] + 1])
+        most = max(mma(s) for s in loops)
+        best = min((s for s in loops if mma(s) == most), key=lambda s: s[1] - s[0])
+    else:
+        best = max(loops, key=lambda s: s[1] - s[0])
     mix = collections.Counter(op for op, _ in instrs[best[0]:best[1] + 1])
     return mix, best[0], best[1]
 
@@ -67,11 +77,13 @@ def main():
     ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     ap.add_argument("--top", type=int, default=24)
+    ap.add_argument("--loop", choices=("largest", "step"), default="largest",
+                    help="the largest loop (default) or the step loop alone")
     a = ap.parse_args()
     mixes, heads = [], []
     for p in a.ptx:
         sass, regs = disassemble(p, a.ptxas, a.nvdisasm)
-        mix, lo, hi = main_loop_mix(sass)
+        mix, lo, hi = main_loop_mix(sass, a.loop)
         mixes.append(mix)
         heads.append(f"{p.split('/')[-2] if '/' in p else p} ({regs}, {sum(mix.values())})")
     ops = sorted(set().union(*mixes), key=lambda o: -max(m[o] for m in mixes))[:a.top]

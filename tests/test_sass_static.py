@@ -32,3 +32,12 @@ def test_largest_loop_with_nested_loops_and_predicates():
 def test_no_loop():
     mix, lo, hi = sass_static.main_loop_mix("        /*0000*/                   EXIT ;\n")
     assert not mix and (lo, hi) == (0, -1)
+
+
+def test_step_loop_is_the_smallest_with_every_mma():
+    """loop="step": the inner loop (.L_x_2 .. its branch) holds the one HMMA, as the outer does,
+    and is the smaller; a loop without HMMA (.L_x_3) is never taken."""
+    mix, lo, hi = sass_static.main_loop_mix(SASS, "step")
+    assert (lo, hi) == (2, 3)
+    assert mix == {"HMMA": 1, "BRA": 1}
+    assert sass_static.main_loop_mix("        /*0000*/  EXIT ;\n", "step")[1:] == (0, -1)
