@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs 105 and 106 (RUN=106; one device call each; run 104 through it too): run 104's checks
 # and A/B again after its fix (run 104 paired z's tokens with other tokens of P: rel. err.
-# 3e-2). Run 105 read B by two 32-bit loads in P's `_PERM16` order, run 106 (committed) A
-# by two 32-bit loads once. GPU cases with fold_v_warp (50-53, the default launches 62-64, 66 at 32 query heads per kv head),
-# bench/check_variant.py, A/B against main's module (bench/prev_kd_run104.py,
-# `git show e3543e9:pallas_kernels/kivi_decode_sm90.py`, main then) at 2-bit G=32 and G=64.
+# 3e-2). Run 105 read B by two 32-bit loads in P's `_PERM16` order, run 106 (committed) A by
+# two 32-bit loads once. GPU cases with fold_v_warp (50-53, the default launches 62-64, 66 at
+# 32 query heads per kv head), bench/check_variant.py, A/B against main's module then
+# (bench/prev_kd_run104.py: `git show e3543e9:pallas_kernels/kivi_decode_sm90.py`) at 2-bit
+# G=32 and G=64.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)
