@@ -295,10 +295,13 @@ class TuningConfig:
       softmax (score epilogue, log2 s_t, max, exp2, running sums, P's conversion and store) runs
       once per tile instead of once per plane; P of a tile is the value product's B for both
       planes, whose products go to two accumulator sets (even, odd planes) with the valid halves
-      added at the end (`_swap_halves`). With fold_k, both products on mma.sync, not with the
-      per-warp softmax, fp8 values, fold_v_warp or the run-40 value fold. The interpreter runs
-      it too (its SMEM staging is for wgmma operands only). choose_tuning sets it at 2-bit
-      G=128 (run 92: 3-4% faster at the anchor; G=32 even).
+      added at the end (`_swap_halves`). With fold_v_warp (natively) a tile's B is scaled
+      once for both planes (lanes 16-31, B's columns 4-7, load plane 2t + 1's value scales)
+      and both planes' minimums' terms come from one mma (rows g + 8 of its A the odd
+      plane's). With fold_k, both products on mma.sync, not with the per-warp softmax, fp8
+      values or the run-40 value fold. The interpreter runs it too (its SMEM staging is for
+      wgmma operands only; without fold_v_warp, which is native only). choose_tuning sets it
+      at 2-bit G=128 (run 92: 3-4% faster at the anchor; G=32 even without fold_v_warp).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, fold_v_warp
     and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay); the launch
@@ -448,14 +451,15 @@ def _packs_planes(tuning: TuningConfig, group_size: int, head_dim: int, heads: i
                   interpret) -> bool:
     """Whether a score tile holds two planes (`TuningConfig.pack_planes`): `heads` query heads
     per kv head fit in half of mma's N = 8, the folded key product and the value product on
-    mma.sync, in the shared (not per-warp) softmax; not with fp8 values, fold_v_warp, the
-    run-40 value fold (fields with offsets) or the natural-order P layouts."""
+    mma.sync, in the shared (not per-warp) softmax; not with fp8 values, the run-40 value fold
+    (fields with offsets) or the natural-order P layouts. With fold_v_warp a tile's B is
+    scaled by both planes' value scales at once (`_vec_load`'s n_half) and both minimums'
+    terms come from one mma (`_group_min_mma`'s z_odd)."""
     fv = _folds_values(tuning, group_size, head_dim)
     return bool(tuning.pack_planes and heads <= 4 and tuning.mma_sync == "both"
                 and _folds_keys_mma(tuning, group_size, head_dim)
                 and not _fp8_values(tuning, group_size, head_dim)
                 and not _warp_softmax(tuning, group_size, head_dim, interpret)
-                and not _folds_values_warp(tuning, group_size, head_dim, interpret)
                 and (tuning.subnormal_values or not fv)
                 and not tuning.p_direct and not tuning.p_concat)
 
@@ -790,7 +794,7 @@ def _pairs64(ref, idx):
 
 
 def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
-              wide: bool = False, align4: bool = False):
+              wide: bool = False, align4: bool = False, n_half: int = 0):
     """A (X,) fp16 vector in the reduce(0) WGMMA layout (the row vector of a 64-row tile).
 
     rows_ref: (X,) or, with rows, (n, X) vectors of which warp w loads row rows[w] (the group
@@ -800,10 +804,13 @@ def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
     instead of one per 32-bit load. align4 (perm, not wide): the 32-bit loads marked 4-byte
     aligned (they are: even element offsets in rows of >= 64 elements); without it MLIR gives
     them the element's 2 and LLVM may not prove more where the row offset is dynamic (the
-    fold_v_warp suspect of run 91: 88 more LDS per step than the IR's loads). Not
+    fold_v_warp suspect of run 91: 88 more LDS per step than the IR's loads). n_half (perm):
+    rows_ref holds X + n_half elements and lanes 16-31 (those of mma.sync's B columns 4-7)
+    read theirs n_half further on: the scale vectors of two planes at once for a packed score
+    tile's B (pack_planes with fold_v_warp; lane-dependent, valid only in `_scale_rhs`). Not
     interpretable (inline Mosaic GPU).
     """
-    X = rows_ref.shape[-1]
+    X = rows_ref.shape[-1] - n_half
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=plgpu.ShapeDtypeStruct((X,), rows_ref.dtype,
@@ -821,6 +828,8 @@ def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
             return mgpu_fa.FragmentedArray.load_untiled(ref, layout=mgpu_fa.WGMMA_COL_LAYOUT,
                                                         optimized=False)
         k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        if n_half:  # lanes 16-31: the second vector
+            k4 = arith.addi(k4, arith.muli(arith.shrui(lane, _i32(4)), _i32(n_half)))
         pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
         ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         regs = []
@@ -1335,50 +1344,66 @@ def _scale_rhs(b, s):
     return scale(b, s)
 
 
-def _rows_of(za, zb):
+def _rows_of(za, zb=None):
     """The (64, X) tile (WGMMA layout) whose rows 16 w + (0..7) are za and 16 w + (8..15) zb,
     both (X,) in the reduce(0) layout (per-warp vectors allowed): lane (g, t) holds rows g and
     g + 8 of its warp's 16, so one mma.sync against it gives both vectors' products with B.
-    Per register, no instructions. Not interpretable."""
+    zb None: rows 8..15 undefined (their products are dropped), where copying za there cost
+    ptxas a move per register (the key bias at G >= 64: 36 per step at 2-bit G=128). Per
+    register, no instructions. Not interpretable."""
     X = za.shape[0]
+    one = zb is None
 
-    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0), _WG.reduce(0)),
+    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0),) * (1 if one else 2),
                        return_type=plgpu.ShapeDtypeStruct((PLANE, X), za.dtype, layout=_WG))
-    def rows(_, a, b):
-        src = (_origins(a), _origins(b))
+    def rows(_, a, *b):
+        lo = _origins(a)
+        hi = _origins(b[0]) if b else None
         lay = mgpu_fa.WGMMA_LAYOUT
         regs = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
         for i in np.ndindex(regs.shape):
             r0, c0 = lay.tiling.untile_indices(i)
-            regs[i] = _fresh(src[r0 // 8 % 2][(c0,)])
+            if r0 // 8 % 2 == 0:
+                regs[i] = _fresh(lo[(c0,)])
+            else:
+                regs[i] = _fresh(hi[(c0,)]) if hi else llvm.mlir_undef(lo[(c0,)].type)
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
 
-    return rows(za, zb)
+    return rows(za) if one else rows(za, zb)
 
 
 _MMA_K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
             "{$8,$9}, {$10,$11,$12,$13};")
 
 
-def _group_min_mma(z_rows, p_ref):
+def _group_min_mma(z_rows, p_ref, z_odd=None):
     """fold_v_warp's minimums term, split over the warps by tokens instead of by groups: (64, N)
     f32 (WGMMA layout) whose row g < n of warp w holds z_rows[g] . P over the warp's own 16
     tokens (16 w .. 16 w + 15); `_warp_group_sum` adds the four warps' rows at the end.
     z_rows: (n, 64) fp16 SMEM, the minimums of the n value groups of a plane's tokens in the
     codes' order; p_ref: the plane's P as `_store_p_perm` stored it ([N, 64], 128-byte swizzle,
     tokens in the `_PERM16` order). One m16n8k16 per warp and 8 heads: B is four tokens of
-    head g by one 64-bit load, A the same four of the lane's group row (rows g + 8 zero) by two
-    32-bit loads once, where each warp's own group over all 64 tokens took four m16n8k16 whose
-    A operand ptxas built of moves (runs 97-103). Native only (fold_v_warp is)."""
+    head g by one 64-bit load, A the same four of the lane's group row by two 32-bit loads
+    once, where each warp's own group over all 64 tokens took four m16n8k16 whose A operand
+    ptxas built of moves (runs 97-103). A's rows g + 8 are left undefined (their products
+    dropped), or with z_odd (pack_planes: p_ref a score tile of two planes, columns 0-3 the
+    even plane's P, 4-7 the odd one's) hold the odd plane's minimums, and the lanes of columns
+    4-7 take rows g + 8: both planes' terms from the one mma. Native only (fold_v_warp is)."""
     n, K = z_rows.shape
     N = p_ref.shape[0]
     if K != PLANE or p_ref.shape[1] != PLANE or N % 8 or not 1 <= n <= 8:
         raise ValueError(f"_group_min_mma: z_rows {z_rows.shape}, P {p_ref.shape}")
+    packed = z_odd is not None
+    if packed and (z_odd.shape != z_rows.shape or N != 8):
+        raise ValueError(f"_group_min_mma: z_odd {z_odd.shape} for z_rows {z_rows.shape}, "
+                         f"{N} columns (packed planes: 8)")
+    zs = (z_rows, z_odd) if packed else (z_rows,)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
+    @plgpu.inline_mgpu(arg_types=(*[plgpu.RefType()] * len(zs),
                                   plgpu.RefType(transforms=_swz(jnp.float16, PLANE))),
                        return_type=plgpu.ShapeDtypeStruct((PLANE, N), jnp.float32, layout=_WG))
-    def prod(_, ref, pref):
+    def prod(_, *refs):
+        *zrefs, pref = refs
         i8, i32, f32 = (ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32),
                         ir.F32Type.get())
         ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
@@ -1396,11 +1421,15 @@ def _group_min_mma(z_rows, p_ref):
         e = arith.addi(arith.addi(arith.muli(warp, _i32(16)),
                                   arith.muli(arith.andi(t, _i32(1)), _i32(8))),
                        arith.muli(arith.shrui(t, _i32(1)), _i32(2)))
-        half = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
-        lo, hi = (vector.load(half, ref, [row, ix(arith.addi(e, _i32(o)))], alignment=4)
-                  for o in (0, 4))
-        zero_i = arith.constant(i32, 0)
-        a = [mgpu_utils.bitcast(lo, i32), zero_i, mgpu_utils.bitcast(hi, i32), zero_i]
+        half = ir.VectorType.get((2,), ir.MemRefType(zrefs[0].type).element_type)
+
+        def k_pairs(ref):  # (k-lo, k-hi) of the lane's group row, as i32
+            return [mgpu_utils.bitcast(vector.load(half, ref, [row, ix(arith.addi(e, _i32(o)))],
+                                                   alignment=4), i32) for o in (0, 4)]
+
+        lo, hi = k_pairs(zrefs[0])
+        lo8, hi8 = k_pairs(zrefs[1]) if packed else (llvm.mlir_undef(i32),) * 2
+        a = [lo, lo8, hi, hi8]  # rows g, g + 8 at k-lo; rows g, g + 8 at k-hi
         chunk = arith.addi(arith.muli(warp, _i32(2)), arith.shrui(t, _i32(1)))
         off = arith.addi(arith.addi(arith.muli(g, _i32(128)),
                                     arith.muli(arith.xori(chunk, g), _i32(16))),
@@ -1410,6 +1439,7 @@ def _group_min_mma(z_rows, p_ref):
         zero = arith.constant(f32, 0.0)
         pair = ir.VectorType.get((2,), f32)
         struct = llvm.StructType.get_literal([f32] * 4)
+        upper = arith.cmpi(arith.CmpIPredicate.uge, t, _i32(2))  # columns 4-7 (packed)
         rows = {}
         for i in range(N // 8):
             at = mgpu_utils.getelementptr(base, [arith.addi(off, _i32(i * 1024))], i8)
@@ -1418,6 +1448,8 @@ def _group_min_mma(z_rows, p_ref):
             out = llvm.inline_asm(struct, [*a, *b, zero, zero, zero, zero], _MMA_K16,
                                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
             c = [llvm.extractvalue(f32, out, [k]) for k in range(4)]
+            if packed:  # the odd plane's columns from rows g + 8
+                c = [arith.select(upper, c[k + 2], c[k]) for k in (0, 1)] * 2
             rows[0, 8 * i] = vector.from_elements(pair, c[:2])
             rows[8, 8 * i] = vector.from_elements(pair, c[2:])
         lay = mgpu_fa.WGMMA_LAYOUT
@@ -1427,7 +1459,7 @@ def _group_min_mma(z_rows, p_ref):
             regs[idx] = rows[r0 % 16, c0]
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
 
-    return prod(z_rows, p_ref)
+    return prod(*zs, p_ref)
 
 
 def _warp_group_sum(x, groups: tuple[int, ...], scratch_ref):
@@ -1789,7 +1821,10 @@ def _make_kernel(
                         vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
                                                                  pl.ds(voff(p), PLANE)]),
                         vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
-                                                               pl.ds(voff(p), PLANE)]))
+                                                               pl.ds(voff(p), PLANE)]),
+                        # planes p, p + 1 (p even; one value-scale chunk holds both)
+                        vscale2=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
+                                                                  pl.ds(voff(p), 2 * PLANE)]))
                 kc_s, ksz_s, vc_s, vsz_s = refs
                 vb = u * (SUB // (PLANE * Pv))
                 return dict(
@@ -1869,6 +1904,16 @@ def _make_kernel(
             def vw_shift(p):
                 """fvw: log2 of the factor P of plane p (field j) is stored with."""
                 return float(_VW_C - value_bits * (p % Pv))
+
+            def vw_const(t, inverse: bool, shape=None):
+                """fvw: vw_shift (inverse: 2^-vw_shift) of score tile t; pk: the (NP,) vector
+                of plane 2t's in columns 0-3 and 2t + 1's in 4-7 (`_halves_const`), broadcast
+                to `shape` (rows) where given."""
+                f = (lambda p: 2.0 ** -vw_shift(p)) if inverse else vw_shift
+                if not pk:
+                    return f(t)
+                c = _halves_const(f(2 * t), f(2 * t + 1), NP, interpret)
+                return c if shape is None else lax.broadcast_in_dim(c, shape, [1])
 
             def val_prep(v):
                 """lgmax (logits in log2 units): per plane p, the (64, N) broadcasts of log2 s_t,
@@ -1974,9 +2019,11 @@ def _make_kernel(
                 uniq = list(dict.fromkeys(key))
                 bias = {}
                 for i in range(0, len(uniq), 2):
-                    ka, kb = uniq[i], uniq[min(i + 1, len(uniq) - 1)]
-                    c = _mma(zero, _rows_of(vec("kmin", ka), vec("kmin", kb)), q, interpret)
-                    bias[ka], bias[kb] = _row_half(c, 0), _row_half(c, 1)
+                    pair = uniq[i:i + 2]  # the last one alone: rows 8..15 left undefined
+                    a = _rows_of(*(vec("kmin", k) for k in pair))
+                    c = _mma(zero, a, q, interpret)
+                    for h, k in enumerate(pair):
+                        bias[k] = _row_half(c, h)
                 if pk:  # planes 2t, 2t + 1 (one key group) into one tile
                     out = []
                     for t in range(tiles):
@@ -2119,12 +2166,12 @@ def _make_kernel(
                         l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                     zaccs = (zacc,)
                 elif fvw:  # P of plane p stored as P * 2^(_VW_C - bits j)
-                    ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_shift(p), (PLANE, NP),
-                                                            [1]))
+                    ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_const(p, False),
+                                                            (PLANE, NP), [1]))
                           for p, x in enumerate(st)]
                     l_t = resc(l_t)
                     for p, x in enumerate(ps):
-                        l_t = l_t + x * 2.0 ** -vw_shift(p)
+                        l_t = l_t + x * vw_const(p, True, (PLANE, NP))
                     zaccs = tuple(resc(z) for z in zaccs)
                 else:
                     mb = lax.broadcast_in_dim(m_new, (PLANE, NP), [1])
@@ -2170,22 +2217,29 @@ def _make_kernel(
                 if mmv:  # P (stored by every warp) as each warp's B operand, in registers
                     _wg_sync(interpret)
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
+                    vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
+                                            wide=tuning.vec64, align4=True)
+                    ng = max(vw_groups) + 1  # fvw: value groups per token
                     for p in range(planes):
                         if pk:  # tile p // 2's P: B of both its planes, whose products go to
                             # the even (accs[:mtiles]) and odd (accs[mtiles:]) sets
                             if p % 2 == 0:
-                                b = _mma_rhs(pb(p // 2), interpret)
+                                t = p // 2
+                                b = _mma_rhs(pb(t), interpret)
+                                if fvw:  # both planes' minimums' terms, B's halves scaled
+                                    # by their own plane's value scales
+                                    c = _group_min_mma(v["vmin"](p)(0, ng), p_s.at[t],
+                                                       v["vmin"](p + 1)(0, ng))
+                                    zaccs = (zaccs[0] + c * vw_const(t, True, (PLANE, NP)),)
+                                    b = _scale_rhs(b, vec(v["vscale2"](p), n_half=PLANE))
                             for mt in range(mtiles):
                                 i = mt + mtiles * (p % 2)
                                 new[i] = _mma(new[i], vt(v, p, mt, cache), b, interpret)
                             continue
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
-                            vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
-                                                    wide=tuning.vec64, align4=True)
                             # the minimums' term of all groups over the warp's own tokens
-                            c = _group_min_mma(v["vmin"](p)(0, max(vw_groups) + 1),
-                                               p_s.at[p])
+                            c = _group_min_mma(v["vmin"](p)(0, ng), p_s.at[p])
                             zaccs = (zaccs[0] + c * 2.0 ** -vw_shift(p),)
                             b = _scale_rhs(b, vec(v["vscale"](p)))
                         for mt in range(mtiles):
@@ -2362,6 +2416,8 @@ def _make_kernel(
             if fvw:  # the codes' product weighs 2^(_VW_C - 24); the warp's minimums' term,
                 # its group's sums over the four warps' tokens
                 zt = _warp_group_sum(zaccs[0], vw_groups, red_s)
+                if pk:  # columns 4-7: the odd planes' terms of heads 0-3
+                    zt = zt + _swap_halves(zt, interpret)
                 accs = [a * float(2 ** (24 - _VW_C)) + zt for a in accs]
             for mt in range(mtiles if not wsm else 0):
                 o_s[pl.ds(mt * PLANE, PLANE), :] = accs[mt] * ib
