@@ -314,6 +314,16 @@ FLAG_CASES = [
      TC(512, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
     (1, 4, 2, 64, 512, 2, 4, 64, jnp.float16, (450,), 0,
      TC(256, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True)),
+    # two planes per score tile with the value scale folded per warp (native only: the
+    # interpreter runs them packed on the exact value path): 2-bit G = 32 with three
+    # warpgroups, spread copies and 64-bit vectors (the anchor's launch), G = 64 with three
+    # heads and a ragged row
+    (2, 4, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True, pack_planes=True)),
+    (2, 6, 2, 128, 1024, 2, 2, 64, jnp.bfloat16, (1000, 513), 0,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, fold_v_warp=True, vec64=True,
+        pack_planes=True)),
     # the conditional rescale in the shared softmax (native only: cross-lowered here), with and
     # without packed planes
     (2, 8, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 0), 2,
@@ -452,7 +462,8 @@ def test_value_warp_fold_gating_and_channel_order():
 def test_plane_packing_gating():
     """pack_planes applies where the query heads of a kv head fit in half of mma's N = 8, with
     the folded key product and both products on mma.sync, not in the per-warp softmax or with
-    fp8 values, fold_v_warp or the run-40 value fold; the interpreter takes it too."""
+    fp8 values or the run-40 value fold; with fold_v_warp too (natively: the interpreter, which
+    has no fold_v_warp, packs the exact value path); the interpreter takes it too."""
     on = TC(fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True)
     for heads, G, D in ((4, 128, 128), (1, 32, 128), (3, 64, 64)):
         assert kd._packs_planes(on, G, D, heads, False)
@@ -464,7 +475,11 @@ def test_plane_packing_gating():
     assert not kd._packs_planes(dataclasses.replace(on, fp8_values=True), 128, 128, 4, False)
     assert not kd._packs_planes(dataclasses.replace(on, subnormal_values=False), 128, 128, 4,
                                 False)
-    assert not kd._packs_planes(dataclasses.replace(on, fold_v_warp=True), 32, 128, 4, False)
+    fvw = dataclasses.replace(on, fold_v_warp=True, vec64=True)
+    assert kd._packs_planes(fvw, 32, 128, 4, False) and kd._folds_values_warp(fvw, 32, 128, False)
+    assert kd._packs_planes(fvw, 32, 128, 4, plgpu.InterpretGPUParams())
+    assert not kd._folds_values_warp(fvw, 32, 128, plgpu.InterpretGPUParams())
+    assert not kd._packs_planes(fvw, 32, 128, 8, False)
     # the per-warp softmax (one warpgroup per block, 256-token steps) keeps its own path
     assert not kd._packs_planes(TC(fold_k=True, pack_planes=True), 128, 128, 4, False)
 
@@ -877,6 +892,16 @@ GPU_CASES = [  # larger shapes, native production variant
     # fold_v_warp at 32 query heads per kv head (the group sums' scratch past its default)
     (2, 32, 1, 128, 8192, 2, 2, 32, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, fold_v_warp=True, vec64=True)),
+    # fold_v_warp with two planes per score tile: the anchor's 2-bit G = 32 launch, G = 64
+    # with three heads, D = 64 G = 32 with one warpgroup and 32-bit vectors
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True, pack_planes=True)),
+    (2, 24, 8, 128, 8192, 2, 2, 64, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=3, fold_v_warp=True, vec64=True,
+        pack_planes=True)),
+    (2, 16, 16, 64, 4096, 2, 2, 32, jnp.bfloat16,
+     TC(256, 3, 2, fold_k=True, warp_softmax=False, fold_v_warp=True, pack_planes=True)),
 ]
 
 
