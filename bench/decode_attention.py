@@ -185,7 +185,11 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
     L = layers_for(qb)
     cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G)
     tun = tuning or kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=vb, group_size=G)
-    if alt:
+    if alt == "vblock":  # V codes in 64-column blocks [.., Tq/(64 Pv), D, 64]
+        cache = (*cache[:3], kd.block_value_codes(cache[3]), *cache[4:])
+        alt = False
+        label += "-vblock"
+    elif alt:
         cache = kd.to_alt_layout(*cache, value_bits=vb, vch=min(tun.block_tokens, 256))
     q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
     nt = jnp.full((B,), T, jnp.int32)

@@ -48,13 +48,18 @@ def main():
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
                 which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
+                # "vblock[:flags]": the V codes in 64-column blocks (`block_value_codes`)
+                vblock = var.startswith("vblock")
+                if vblock:
+                    which, flags = "", var.partition(":")[2]
                 flags = flags or "default"
                 da.kd = mods[which]  # bench_point runs the kernel of decode_attention's kd
                 try:
                     base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
                                                group_size=G)
                     tun = base if flags == "default" else da.override(base, flags)
-                    r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10)
+                    r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10,
+                                       alt="vblock" if vblock else False)
                 finally:
                     da.kd = kd
                 print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "

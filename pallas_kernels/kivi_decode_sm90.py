@@ -1149,6 +1149,10 @@ def _warp_value_codes(codes_ref, transforms, m: int, col0: int):
     tile_w = transforms[0].tiling[1]
     swizzle = transforms[1].swizzle
     X = codes_ref.shape[-1]
+    # blocked V codes (nb, D, 64): column col0 + 16 w is column col0 % 64 + 16 w of block
+    # col0 // 64, whose (8, 64) tiles follow the previous blocks'
+    blk0, col0 = (col0 // X, col0 % X) if len(codes_ref.shape) == 3 else (0, col0)
+    blk_tiles = codes_ref.shape[-2] // 8 * (X // tile_w)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),),
                        return_type=plgpu.ShapeDtypeStruct((PLANE, 16), jnp.uint16, layout=_WG))
@@ -1173,6 +1177,7 @@ def _warp_value_codes(codes_ref, transforms, m: int, col0: int):
             # Mosaic's tiled layout: (8, tile_w) tiles, row-major over (row // 8, col // tile_w)
             tile = arith.addi(arith.muli(arith.shrui(row, _i32(3)), _i32(X // tile_w)),
                               arith.divui(col, _i32(tile_w)))
+            tile = arith.addi(tile, _i32(blk0 * blk_tiles))
             off = arith.addi(arith.addi(arith.muli(tile, _i32(8 * tile_w)),
                                         arith.muli(g, _i32(tile_w))),
                              arith.remui(col, _i32(tile_w)))
@@ -1675,7 +1680,7 @@ def _group_vecs(scale_at, min_at, groups: tuple[int, ...], shape, cache: dict, k
 
 def _make_kernel(
     *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
-    interpret, alt_layout: bool = False, pack: bool = False,
+    interpret, alt_layout: bool = False, pack: bool = False, vblock: bool = False,
 ):
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
@@ -1737,12 +1742,12 @@ def _make_kernel(
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
     ktf = _swz(jnp.uint8, D) if swizzle_codes else ()
     # widen8: 64-byte tiles, so that a plane's 64 value columns are whole swizzle tiles
-    vtf = _swz(jnp.uint8, PLANE if w8 else v_cols) if swizzle_codes else ()
+    vtf = _swz(jnp.uint8, PLANE if w8 or vblock else v_cols) if swizzle_codes else ()
     u8 = jnp.uint8
     if not alt_layout:
         pipe_blocks = [
             ((kc_rows, D), u8, ktf, 0), ((g_rows, D), f16, (), 0), ((g_rows, D), f16, (), 0),
-            ((D, v_cols), u8, vtf, 1),
+            ((v_cols // PLANE, D, PLANE), u8, vtf, 0) if vblock else ((D, v_cols), u8, vtf, 1),
             # Value scales are viewed as [D/G, Tq/VCH, VCH]: a TMA box is at most 256 wide.
             ((D // G, TS // VCH, VCH), f16, (), 1), ((D // G, TS // VCH, VCH), f16, (), 1)]
     else:  # experimental layout: V codes in contiguous [D, 64] blocks, scale+min merged
@@ -1815,9 +1820,12 @@ def _make_kernel(
                                                     pl.ds(c * DC, DC)],
                         kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
                         kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
-                        vcodes=lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
-                                                    pl.ds(vcol + r * PLANE, PLANE)],
-                        vcodes_all=lambda r: vc_s.at[:, pl.ds(vcol + r * PLANE, PLANE)],
+                        vcodes=(lambda r, m: vc_s.at[vcol // PLANE + r, pl.ds(m * PLANE, PLANE)])
+                        if vblock else
+                        (lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
+                                              pl.ds(vcol + r * PLANE, PLANE)]),
+                        vcodes_all=(lambda r: vc_s.at[vcol // PLANE + r]) if vblock else
+                        (lambda r: vc_s.at[:, pl.ds(vcol + r * PLANE, PLANE)]),
                         vscale=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
                                                                  pl.ds(voff(p), PLANE)]),
                         vmin=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
@@ -2518,7 +2526,8 @@ def _check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_token
         "k_codes": ((L, B, Hkv, Tq // Pk, D), jnp.uint8),
         "k_scale": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
         "k_min": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
-        "v_codes": ((L, B, Hkv, D, Tq // Pv), jnp.uint8),
+        "v_codes": (((L, B, Hkv, Tq // Pv // PLANE, D, PLANE) if v_codes.ndim == 6 else
+                     (L, B, Hkv, D, Tq // Pv)), jnp.uint8),
         "v_scale": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
         "v_min": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
     }
@@ -2620,8 +2629,16 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
-                        pack=pack)
+                        pack=pack, vblock=not alt_layout and cache[3].ndim == 6)
     return kern, (meta, qf, *cache), nq
+
+
+def block_value_codes(v_codes):
+    """V codes [..., D, Tq/Pv] -> [..., Tq/(64 Pv), D, 64]: one contiguous block per 64 byte
+    columns (64 Pv tokens), which the kernel also accepts (the same SMEM image; one 8 KiB copy
+    per 256 2-bit tokens instead of 128 rows of 64 bytes; docs/performance.md runs 74-75, 88)."""
+    *lead, D, cols = v_codes.shape
+    return jnp.moveaxis(v_codes.reshape(*lead, D, cols // PLANE, PLANE), -2, -3)
 
 
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
