@@ -60,14 +60,17 @@ def quant_bytes(B, Hkv, D, T, kb, vb, G):
     return B * Hkv * T * D * (kb + vb) / 8 + 4 * B * Hkv * T * D // G * 2
 
 
-def make_cache(key, L, B, Hkv, D, T, kb, vb, G):
+def make_cache(key, L, B, Hkv, D, T, kb, vb, G, blocked=True):
+    """Random bytes (valid packed codes), scales and minimums in the cache's layout
+    (docs/layout.md; blocked=False: the value codes as unblocked [.., D, T/Pv] rows)."""
     ks = jax.random.split(key, 6)
     u8 = lambda k, s: jax.random.bits(k, s, jnp.uint8)  # random bytes are valid packed codes
     f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
     return (u8(ks[0], (L, B, Hkv, T * kb // 8, D)),
             f(ks[1], (L, B, Hkv, T // G, D), 0.02, 0.2),
             f(ks[2], (L, B, Hkv, T // G, D), -0.5, 0.0),
-            u8(ks[3], (L, B, Hkv, D, T * vb // 8)),
+            u8(ks[3], (L, B, Hkv, T * vb // 8 // 64, D, 64) if blocked else
+               (L, B, Hkv, D, T * vb // 8)),
             f(ks[4], (L, B, Hkv, D // G, T), 0.02, 0.2),
             f(ks[5], (L, B, Hkv, D // G, T), -0.5, 0.0))
 
@@ -183,12 +186,12 @@ def check(out_rows):
 def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15, alt=False):
     qb = quant_bytes(B, Hkv, D, T, kb, vb, G)
     L = layers_for(qb)
-    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G)
+    # alt "vrows": the value codes as unblocked rows [.., D, T/Pv] (the layout before run 109)
+    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G, blocked=not alt)
     tun = tuning or kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=vb, group_size=G)
-    if alt == "vblock":  # V codes in 64-column blocks [.., Tq/(64 Pv), D, 64]
-        cache = (*cache[:3], kd.block_value_codes(cache[3]), *cache[4:])
+    if alt == "vrows":
         alt = False
-        label += "-vblock"
+        label += "-vrows"
     elif alt:
         cache = kd.to_alt_layout(*cache, value_bits=vb, vch=min(tun.block_tokens, 256))
     q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)

@@ -48,9 +48,9 @@ def main():
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
                 which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
-                # "vblock[:flags]": the V codes in 64-column blocks (`block_value_codes`)
-                vblock = var.startswith("vblock")
-                if vblock:
+                # "vrows[:flags]": the value codes as unblocked rows [.., D, T/Pv]
+                vrows = var.startswith("vrows")
+                if vrows:
                     which, flags = "", var.partition(":")[2]
                 flags = flags or "default"
                 da.kd = mods[which]  # bench_point runs the kernel of decode_attention's kd
@@ -59,7 +59,7 @@ def main():
                                                group_size=G)
                     tun = base if flags == "default" else da.override(base, flags)
                     r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10,
-                                       alt="vblock" if vblock else False)
+                                       alt="vrows" if vrows else False)
                 finally:
                     da.kd = kd
                 print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "

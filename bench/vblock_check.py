@@ -31,7 +31,8 @@ def main():
         B, Hq, Hkv, D, T = 3, 32, 8, 128, 16384
         tun = da.override(kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb,
                                            group_size=G), a.flags)
-        cache = da.make_cache(da.jax.random.key(kb * 100 + G), 2, B, Hkv, D, T, kb, kb, G)
+        cache = da.make_cache(da.jax.random.key(kb * 100 + G), 2, B, Hkv, D, T, kb, kb, G,
+                              blocked=False)
         q = da.jax.random.normal(da.jax.random.key(G + kb), (B, Hq, D)).astype(jnp.bfloat16)
         nt = jnp.array([T, 7001, 255], jnp.int32)
         kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore
-from kivi_jax.quant import to_cache_order, unpack_tokens
+from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 
 IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp")
 
@@ -132,7 +132,8 @@ def quantized_region_folded(
     s = jnp.where((jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None], s, -jnp.inf)
 
     vg = values.group_size
-    vc = unpack_tokens(values.codes[layer], values.bits, axis=-1).astype(jnp.float32)
+    vc = unpack_tokens(unblock_columns(values.codes[layer]), values.bits, axis=-1).astype(
+        jnp.float32)
     # per-token scales are held in the cache order (docs/layout.md): back to token order
     vs = to_cache_order(values.scale[layer].astype(jnp.float32), -1)  # [B, H, D/G, Tq]
     vz = to_cache_order(values.minimum[layer].astype(jnp.float32), -1)

@@ -30,6 +30,8 @@ from jax.experimental import checkify
 from kivi_jax.config import KiviConfig
 from kivi_jax.quant import (
     CACHE_PLANE,
+    CODE_BLOCK,
+    block_columns,
     cache_slot,
     codes_per_byte,
     minmax_quantize,
@@ -101,10 +103,11 @@ class QuantizedStore:
     axis="token": one (scale, min) per token and group of G channels; the residual holds the
     newest W = R tokens, each quantized when it leaves (KIVI values).
     transposed=False keeps tokens on the rows of the codes (keys); True keeps them on the
-    columns, i.e. stores V^T (values), which is what the kernel's P.V product wants.
+    columns, i.e. stores V^T (values), which is what the kernel's P.V product wants, in blocks
+    of 64 byte columns (`kivi_jax.quant.block_columns`: one contiguous block per kernel step).
     """
 
-    codes: Array  # [L, B, Hkv, Tq/P, D], transposed: [L, B, Hkv, D, Tq/P]   uint8
+    codes: Array  # [L, B, Hkv, Tq/P, D], transposed: [L, B, Hkv, Tq/(64 P), D, 64]   uint8
     scale: Array  # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/G, Tq]
     minimum: Array  # same shape and dtype as scale
     residual: Array  # [L, B, Hkv, W, D] in the model dtype; token p in slot p % W
@@ -118,10 +121,16 @@ class QuantizedStore:
         return self.residual.shape[-2]
 
     @property
+    def packed_len(self) -> int:
+        """Tq / P: packed token rows (byte columns of V^T) per row."""
+        if self.transposed:
+            return self.codes.shape[-3] * CODE_BLOCK
+        return self.codes.shape[-2]
+
+    @property
     def capacity(self) -> int:
         """Tq: quantized positions per row."""
-        n = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
-        return n * codes_per_byte(self.bits)
+        return self.packed_len * codes_per_byte(self.bits)
 
     def num_quantized(self, lengths: Array) -> Array:
         """Per row, how many leading positions are quantized for rows holding `lengths` tokens."""
@@ -148,9 +157,10 @@ class QuantizedStore:
     ) -> QuantizedStore:
         lbh = (num_layers, batch, kv_heads)
         per = codes_per_byte(bits)
-        codes = (
-            (*lbh, head_dim, capacity // per) if transposed else (*lbh, capacity // per, head_dim)
-        )
+        if transposed:
+            codes = (*lbh, capacity // per // CODE_BLOCK, head_dim, CODE_BLOCK)
+        else:
+            codes = (*lbh, capacity // per, head_dim)
         if axis == "channel":
             scale = (*lbh, capacity // group_size, head_dim)
         else:
@@ -169,7 +179,7 @@ class QuantizedStore:
     def logical_axes(self) -> QuantizedStore:
         lbh = ("layers", "batch", "kv_heads")
         if self.transposed:
-            codes = jax.P(*lbh, "head_dim", "cache_seq_packed")
+            codes = jax.P(*lbh, "cache_seq_packed", "head_dim", None)
         else:
             codes = jax.P(*lbh, "cache_seq_packed", "head_dim")
         if self.axis == "channel":
@@ -185,8 +195,10 @@ class QuantizedStore:
     def _add_codes(self, layer, b, rows, vals) -> Array:
         """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
         (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`)."""
-        if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
-            return self.codes.at[layer, b, :, :, swapped_byte(rows)].add(vals, mode="drop")
+        if self.transposed:  # a token row is a byte column of V^T, in blocks of 64 columns
+            col = swapped_byte(rows)
+            return self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK].add(
+                vals, mode="drop")
         return self.codes.at[layer, b, :, rows, :].add(swap_bytes(vals, -1), mode="drop")
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
@@ -226,8 +238,7 @@ class QuantizedStore:
         start = pos + 1 - w
         t = start[:, None] + jnp.arange(w)  # [B, W]
         rows, shifts = token_rows(t, self.bits)
-        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
-        rows = jnp.where(flush[:, None], rows, oob)
+        rows = jnp.where(flush[:, None], rows, self.packed_len)
         vals = codes.reshape(nb, nh, w, d).transpose(0, 2, 1, 3) << shifts[:, :, None, None]
         store = dataclasses.replace(self, codes=self._add_codes(layer, b[:, None], rows, vals))
         groups = start[:, None] // g + jnp.arange(w // g)
@@ -287,8 +298,7 @@ class QuantizedStore:
             x.reshape(*lead, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
         )
         row, shift = token_rows(pos, self.bits)
-        oob = self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
-        row = jnp.where(valid, row, oob)
+        row = jnp.where(valid, row, self.packed_len)
         vals = codes.reshape(*lead, nh, d) << shift[..., None, None]
         store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
         # per-token scales sit in the cache order too (the kernel loads a plane's as one row)
@@ -328,8 +338,8 @@ class QuantizedStore:
             codes = codes.reshape(nl, nb, nh, s_pad, d)
         codes = jnp.where(keep[..., None], codes, 0).astype(jnp.uint8)
         if self.transposed:
-            packed = pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1)
-            new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-1]].set(packed)
+            packed = block_columns(pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1))
+            new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-3], :, :].set(packed)
         else:
             packed = pack_tokens(codes, self.bits, axis=-2)
             new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-2], :].set(packed)
@@ -368,7 +378,8 @@ class QuantizedStore:
         tc = jnp.clip(t, 0, tq - 1)
         rows, shifts = token_rows(tc, self.bits)
         if self.transposed:
-            packed = self.codes[layer, b, :, :, swapped_byte(rows)]  # [B, N, H, D]
+            col = swapped_byte(rows)
+            packed = self.codes[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK]  # [B, N, H, D]
         else:
             packed = swap_bytes(self.codes[layer, b, :, rows, :], -1)
         codes = (packed >> shifts[..., None, None]) & jnp.uint8((1 << self.bits) - 1)
@@ -486,7 +497,7 @@ class KiviCache(_CacheOps):
     """KIVI-quantized KV cache of all layers (layout: docs/layout.md)."""
 
     keys: QuantizedStore  # codes [L, B, Hkv, Tq/Pk, D]; scale/min [L, B, Hkv, Tq/G, D]
-    values: QuantizedStore  # codes [L, B, Hkv, D, Tq/Pv]; scale/min [L, B, Hkv, D/G, Tq]
+    values: QuantizedStore  # codes [L, B, Hkv, Tq/(64 Pv), D, 64]; scale/min [L, B, Hkv, D/G, Tq]
     lengths: Array  # [B] int32: tokens held per row
     config: KiviConfig = dataclasses.field(metadata=static)
     max_len: int = dataclasses.field(metadata=static)

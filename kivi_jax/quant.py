@@ -22,6 +22,12 @@ columns) the two middle bytes of each 4-byte group are swapped (`swap_bytes`): a
 widens a 32-bit word of codes into fp16 pairs (b0, b2), (b1, b3) as the word itself and the
 word shifted right by 8, the code field masks clearing the other byte, and those pairs are the
 elements (4k, 4k + 1), (4k + 2, 4k + 3) of the row.
+
+The value codes (V^T: [..., D, T/P], tokens along the columns) are stored in blocks of 64
+columns, [..., T/(64 P), D, 64] (`block_columns`): the 64 P tokens of a block, which a kernel
+step copies for all D channels, are one contiguous 64 D-byte run instead of D rows of 64 bytes
+T/P bytes apart (docs/performance.md run 109: the 2-bit kernel's load pipeline 0.193 -> 0.164
+ms at B=8 T=128k, the kernel 2-6% faster).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kivi_jax.config import SUPPORTED_BITS, KiviConfig
 
 CACHE_PLANE = 64  # tokens per plane in the KV cache (= wgmma M tile)
 CACHE_BLOCK = 256  # tokens per block of the cache order (four planes)
+CODE_BLOCK = 64  # byte columns per stored block of the value codes (`block_columns`)
 
 
 def codes_per_byte(bits: int) -> int:
@@ -135,6 +142,21 @@ def unpack_tokens(packed: Array, bits: int, *, axis: int) -> Array:
     """Inverse of `pack_tokens`: uint8 codes with the tokens in order along `axis`."""
     return to_cache_order(unpack(swap_bytes(packed, -1), bits, axis=axis, plane=CACHE_PLANE),
                           axis)
+
+
+def block_columns(x: Array) -> Array:
+    """[..., D, C] (C a multiple of 64) -> [..., C/64, D, 64]: the stored form of the value
+    codes, one contiguous block of D rows per 64 byte columns (module doc)."""
+    *lead, d, c = x.shape
+    if c % CODE_BLOCK:
+        raise ValueError(f"block_columns: {c} columns are not a multiple of {CODE_BLOCK}")
+    return jnp.moveaxis(jnp.reshape(x, (*lead, d, c // CODE_BLOCK, CODE_BLOCK)), -2, -3)
+
+
+def unblock_columns(x: Array) -> Array:
+    """Inverse of `block_columns`: [..., C/64, D, 64] -> [..., D, C]."""
+    *lead, nb, d, w = x.shape
+    return jnp.reshape(jnp.moveaxis(x, -3, -2), (*lead, d, nb * w))
 
 
 def _round_toward(x: Array, dtype, direction: float) -> Array:

@@ -46,7 +46,13 @@ def logical_to_mesh(spec: jax.P, rules: Mapping[str, str | tuple[str, ...] | Non
     for name in rules:
         if name not in LOGICAL_AXES:
             raise ValueError(f"unknown logical axis {name!r} in rules; known: {LOGICAL_AXES}")
-    return jax.P(*(rules.get(name) if name is not None else None for name in spec))
+    axes = [rules.get(name) if name is not None else None for name in spec]
+    # Trailing replicated axes dropped: the form XLA gives a jitted update's outputs back in
+    # (the blocked value codes' 6-D array came back as P(None, 'data', 'model') from an
+    # in-place append and recompiled the next call), so shardings round-trip unchanged.
+    while axes and axes[-1] is None:
+        axes.pop()
+    return jax.P(*axes)
 
 
 def cache_shardings(cache, mesh: Mesh, rules: Mapping | None = None):

@@ -301,7 +301,8 @@ class TuningConfig:
       plane's). With fold_k, both products on mma.sync, not with the per-warp softmax, fp8
       values or the run-40 value fold. The interpreter runs it too (its SMEM staging is for
       wgmma operands only; without fold_v_warp, which is native only). choose_tuning sets it
-      at 2-bit G=128 (run 92: 3-4% faster at the anchor; G=32 even without fold_v_warp).
+      at 2 bits (run 92: G=128 3-4% faster at the anchor; run 109, with fold_v_warp over the
+      blocked value codes: G=32 2.5-4%).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, fold_v_warp
     and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay); the launch
@@ -593,14 +594,16 @@ def choose_tuning(
     wsm = wg_per_block == 1 and -(-steps // S) >= _WSM_MIN_STEPS
     # Two planes per score tile where the query heads of a kv head fill at most half of mma's
     # N (the kernel checks that; the flag only allows it): 2-bit G=128 at the anchor, W = 4,
-    # 0.1999/0.2051 -> 0.1935/0.1973 ms (run 92, one process); 2-bit G=32 even (0.2703/0.2765
-    # -> 0.2791/0.2750), so only G=128; 4-bit keeps its per-warp softmax, which excludes it.
+    # 0.1999/0.2051 -> 0.1935/0.1973 ms (run 92, one process); at 2-bit G < D with fold_v_warp
+    # (one scaled B per tile) over the blocked value codes, G=32 0.2376 -> 0.2277/0.2317 (run
+    # 109; over the unblocked ones even, run 108: the load pipeline bound it); 4-bit keeps its
+    # per-warp softmax, which excludes it.
     # Slots handed back through an mbarrier with four warpgroups (2-bit G=128 at the anchor
     # 0.2258 -> 0.2200-0.2230 ms, B=32 T=32k 0.2238-0.2255 -> 0.2209-0.2229; run 69); with
     # three (2-bit G=32) even to 2.5% slower. With the packed planes the warpgroup barrier
     # is no slower: release_slots=0 at W = 4, 2-bit G=128, was even or faster in eight
     # A/B pairs (runs 96-98: B=8 T=128k -0.1..-3.4%, B=32 T=32k -0.2/-1.7%).
-    pack = key_bits == value_bits == 2 and group_size == 128 and mma_sync == "both"
+    pack = key_bits == value_bits == 2 and mma_sync == "both"
     release = wg_per_block == 4 and not pack
     # With three, the copies dealt over the warps instead (2-bit G=32 at the anchor, four A/B
     # pairs in runs 73 and 76: 0.3101/0.3087/0.2993/0.3044 -> 0.3068/0.3034/0.2926/0.3023 ms;
@@ -2634,11 +2637,13 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
 
 
 def block_value_codes(v_codes):
-    """V codes [..., D, Tq/Pv] -> [..., Tq/(64 Pv), D, 64]: one contiguous block per 64 byte
-    columns (64 Pv tokens), which the kernel also accepts (the same SMEM image; one 8 KiB copy
-    per 256 2-bit tokens instead of 128 rows of 64 bytes; docs/performance.md runs 74-75, 88)."""
-    *lead, D, cols = v_codes.shape
-    return jnp.moveaxis(v_codes.reshape(*lead, D, cols // PLANE, PLANE), -2, -3)
+    """V codes [..., D, Tq/Pv] -> the cache's [..., Tq/(64 Pv), D, 64] (`kivi_jax.quant.
+    block_columns`): one contiguous block per 64 byte columns (64 Pv tokens). The kernel takes
+    both (the same SMEM image); the blocked form is one 8 KiB copy per 256 2-bit tokens instead
+    of 128 rows of 64 bytes (docs/performance.md runs 74-75, 88, 109)."""
+    from kivi_jax.quant import block_columns
+
+    return block_columns(v_codes)
 
 
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
@@ -2663,8 +2668,10 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
     q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
-    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes [L,B,Hkv,D,Tq/Pv]
-    u8, v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend to positions
+    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes
+    [L,B,Hkv,Tq/(64 Pv),D,64] u8 (the cache's blocks of 64 byte columns of V^T; the unblocked
+    [L,B,Hkv,D,Tq/Pv] also works, with the same results, 2-6% slower at 2 bits),
+    v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend to positions
     [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be traced; the kernel
     reads both itself). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log
     sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
@@ -2768,6 +2775,10 @@ def kivi_decode_reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, n
     take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
     sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
     kc = _unpack_layer(sel(k_codes), key_bits, 2)  # [B, Hkv, Tq, D]
+    if v_codes.ndim == 6:  # the cache's blocked form
+        from kivi_jax.quant import unblock_columns
+
+        v_codes = unblock_columns(v_codes)
     vc = _unpack_layer(sel(v_codes), value_bits, 3)  # [B, Hkv, D, Tq]
     ks, kz = take(k_scale), take(k_min)
     vs, vz = _token_order(take(v_scale)), _token_order(take(v_min))

@@ -85,9 +85,10 @@ def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
 
 def test_quantized_tokens_sit_in_the_documented_layout():
     """docs/layout.md: the packed codes are `pack_tokens` of each token's codes (the cache order,
-    token-planar), key scales per group in token order, value scales per token in the cache
-    order; both dequantize to the tokens through `gather`."""
-    from kivi_jax.quant import cache_slot, minmax_quantize, pack_tokens
+    token-planar; the value codes in blocks of 64 byte columns), key scales per group in token
+    order, value scales per token in the cache order; both dequantize to the tokens through
+    `gather`."""
+    from kivi_jax.quant import block_columns, cache_slot, minmax_quantize, pack_tokens
 
     config = kj.KiviConfig(2, 4, group_size=32, residual_length=32)
     k, v = _random_kv(1, 1, 512)
@@ -101,7 +102,11 @@ def test_quantized_tokens_sit_in_the_documented_layout():
     nq = int(c.values.num_quantized(c.lengths)[0])  # 480: the newest 32 stay in full precision
     vc, vs, _ = minmax_quantize(v.reshape(L, 1, H, 512, D // 32, 32), 4, axis=-1)
     vc = jnp.where((jnp.arange(512) < nq)[:, None], vc.reshape(L, 1, H, 512, D), 0)
-    np.testing.assert_array_equal(c.values.codes, pack_tokens(vc.swapaxes(-1, -2), 4, axis=-1))
+    packed = pack_tokens(vc.swapaxes(-1, -2), 4, axis=-1)  # [L, 1, H, D, 256]
+    assert c.values.codes.shape == (L, 1, H, 256 // 64, D, 64)
+    np.testing.assert_array_equal(c.values.codes, block_columns(packed))
+    # block k holds byte columns 64 k .. 64 k + 63 of every channel
+    np.testing.assert_array_equal(c.values.codes[:, :, :, 2, 5], packed[:, :, :, 5, 128:192])
     t = np.array([0, 17, 100, 300, nq - 1])
     np.testing.assert_array_equal(c.values.scale[..., cache_slot(t)],
                                   vs[..., 0].swapaxes(-1, -2)[..., t])

@@ -24,7 +24,7 @@ import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kivi_jax.quant import pack_tokens, to_cache_order
+from kivi_jax.quant import block_columns, pack_tokens, to_cache_order, unblock_columns
 from pallas_kernels import kivi_decode_sm90 as kd
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -56,15 +56,17 @@ def tol_for(tun, G, D, dtype):
     return TOL_F8 if tun is not None and kd._fp8_values(tun, G, D) else TOL[jnp.dtype(dtype)]
 
 
-def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G):
-    """Random codes, scales and minimums in the documented layout (docs/layout.md)."""
+def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G, blocked=True):
+    """Random codes, scales and minimums in the documented layout (docs/layout.md; blocked=False:
+    the value codes as unblocked [L, B, Hkv, D, Tq/Pv] rows, which the kernel also takes)."""
     rng = np.random.default_rng(seed)
     kc = rng.integers(0, 2**kb, (L, B, Hkv, Tq, D)).astype(np.uint8)
     vc = rng.integers(0, 2**vb, (L, B, Hkv, D, Tq)).astype(np.uint8)
     f = lambda shape, lo, hi: jnp.asarray(rng.uniform(lo, hi, shape), jnp.float16)
+    vp = pack_tokens(vc, vb, axis=4)
     return (pack_tokens(kc, kb, axis=3),
             f((L, B, Hkv, Tq // G, D), 0.02, 0.3), f((L, B, Hkv, Tq // G, D), -0.6, 0.0),
-            pack_tokens(vc, vb, axis=4),
+            block_columns(vp) if blocked else vp,
             f((L, B, Hkv, D // G, Tq), 0.02, 0.3), f((L, B, Hkv, D // G, Tq), -0.6, 0.0))
 
 
@@ -76,6 +78,8 @@ def plain_attention(q, cache, num_tokens, layer, *, key_bits, value_bits, group_
                     sm_scale):
     """Independent float64 numpy: unpack, dequantize every element, softmax, weighted sum."""
     k_codes, k_scale, k_min, v_codes, v_scale, v_min = (np.asarray(x) for x in cache)
+    if v_codes.ndim == 6:  # the cache's blocks of 64 byte columns
+        v_codes = np.asarray(unblock_columns(v_codes))
     # per-token value scales are held in the cache order (docs/layout.md)
     v_scale, v_min = (np.asarray(to_cache_order(x, -1)) for x in (v_scale, v_min))
     kc = kd._unpack_layer(k_codes[layer], key_bits, 2)
@@ -669,7 +673,8 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(8, 8, 131072, group_size=128).num_splits == 8
     # two planes per score tile at 2-bit G=128 only (run 92)
     assert ct(8, 8, 131072, group_size=128).pack_planes
-    assert not ct(8, 8, 131072, group_size=32).pack_planes
+    assert ct(8, 8, 131072, group_size=32).pack_planes  # with fold_v_warp (run 109)
+    assert ct(8, 8, 131072, group_size=32).fold_v_warp
     assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
     # the value scale folded per warp with 64-bit vector loads at 2-bit G < D (runs 97-98),
     # at every (B, T); not at 4 bits (mixed), not at G = D (fold_v folds it there)
@@ -701,6 +706,21 @@ def test_choose_tuning_warpgroups_per_block():
     for G in (128, 32):  # three 4-bit pipelines of 256-token steps (a block of the cache order)
         with pytest.raises(ValueError, match="shared memory"):
             ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=G, wg_per_block=3)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]],
+                         ids=[IDS[1], IDS[3], IDS[6]])
+def test_unblocked_value_codes_give_the_same_bits(case):
+    """The kernel takes the value codes as the cache's blocks [.., Tq/(64 Pv), D, 64] or as
+    unblocked rows [.., D, Tq/Pv]: the same SMEM image, so the same outputs bit for bit."""
+    B, Hq, Hkv, D, Tq, kb, vb, G, dt, lengths, layer, tun = case
+    kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D), tuning=tun,
+              interpret=plgpu.InterpretGPUParams())
+    q, nt = make_q(2, B, Hq, D, dt), jnp.asarray(lengths, jnp.int32)
+    outs = [kd.kivi_decode(q, *make_cache(9, 3, B, Hkv, D, Tq, kb, vb, G, blocked=blk), nt,
+                           jnp.int32(layer), **kw) for blk in (True, False)]
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_interpret_true_means_gpu_interpreter():
@@ -916,7 +936,8 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     u8 = lambda k, s: jax.random.bits(k, s, jnp.uint8)  # random bytes: valid packed codes
     f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
     cache = (u8(ks[0], (L, B, Hkv, Tq * kb // 8, D)), f(ks[1], (L, B, Hkv, Tq // G, D), .02, .3),
-             f(ks[2], (L, B, Hkv, Tq // G, D), -.6, 0.), u8(ks[3], (L, B, Hkv, D, Tq * vb // 8)),
+             f(ks[2], (L, B, Hkv, Tq // G, D), -.6, 0.),
+             u8(ks[3], (L, B, Hkv, Tq * vb // 8 // 64, D, 64)),  # the cache's blocked V codes
              f(ks[4], (L, B, Hkv, D // G, Tq), .02, .3), f(ks[5], (L, B, Hkv, D // G, Tq), -.6, 0.))
     q = jax.random.normal(ks[6], (B, Hq, D), jnp.float32).astype(dt)
     rng = np.random.default_rng(Tq + B)
@@ -939,3 +960,25 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
         k: v for k, v in kw.items() if k != "tuning"}, **twin_flags(tun, G, D))
     compare(o, lse, ro, rlse, tol_for(tun, G, D, dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("kbg", ["2:128", "2:32", "4:128", "2:64"])
+def test_gpu_unblocked_value_codes_give_the_same_bits(kbg):
+    """choose_tuning's anchor launches natively over the blocked and the unblocked value codes:
+    the same SMEM image, the same outputs bit for bit."""
+    kb, G = map(int, kbg.split(":"))
+    B, Hq, Hkv, D, Tq = 3, 32, 8, 128, 16384
+    tun = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D), tuning=tun)
+    q, nt = make_q(3, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 7001, 255], jnp.int32)
+    cache = make_cache(kb + G, 2, B, Hkv, D, Tq, kb, kb, G, blocked=False)
+    blocked = (*cache[:3], block_columns(cache[3]), *cache[4:])
+    fn = jax.jit(lambda *c: kd.kivi_decode(q, *c, nt, jnp.int32(1), **kw))
+    a, b = fn(*blocked), fn(*cache)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
+        k: v for k, v in kw.items() if k != "tuning"})
+    compare(*a, ro, rlse, TOL[jnp.dtype(jnp.bfloat16)])

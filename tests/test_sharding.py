@@ -75,8 +75,11 @@ def test_long_context_rules_shard_the_token_axes():
     k = jax.random.normal(jax.random.key(3), (1, 2, 2, 1000, 64))
     c = c.prefill(k, k, jnp.array([1000, 700], jnp.int32))
     s = shard_cache(c, mesh, rules)
-    assert s.keys.codes.sharding.spec == jax.P(None, "data", None, "seq", None)
+    assert s.keys.codes.sharding.spec == jax.P(None, "data", None, "seq")
     assert s.values.scale.sharding.spec == jax.P(None, "data", None, None, "seq")
+    # the value codes' blocks of 64 byte columns (docs/layout.md) split over "seq"
+    assert s.values.codes.sharding.spec == jax.P(None, "data", None, "seq")
+    assert s.values.codes.addressable_shards[0].data.shape == (1, 1, 2, 1, 64, 64)
     q = jax.random.normal(jax.random.key(4), (2, 4, 64))
     attend = jax.jit(kj.decode_attention, static_argnames="implementation")
     np.testing.assert_allclose(attend(q, s, 0), attend(q, c, 0), atol=1e-6)
