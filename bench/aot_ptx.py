@@ -51,7 +51,10 @@ def compile_ptx(kb: int, vb: int, G: int, flags: str, *, hq: int = 32, D: int = 
                                        group_size=G, head_dim=D, q_heads=hq // Hkv), flags)
     cache = (S((L, B, Hkv, T * kb // 8, D), jnp.uint8), S((L, B, Hkv, T // G, D), jnp.float16),
              S((L, B, Hkv, T // G, D), jnp.float16),
-             S((L, B, Hkv, T * vb // 8 // 64, D, 64), jnp.uint8),  # the cache's blocked V codes
+             # the cache's value codes (2-bit: blocks of 64 byte columns)
+             S((L, B, Hkv, T * vb // 8 // 64, D, 64) if da.value_codes_blocked(vb)
+               else (L, B, Hkv, D, T * vb // 8),
+               jnp.uint8),
              S((L, B, Hkv, D // G, T), jnp.float16), S((L, B, Hkv, D // G, T), jnp.float16))
     kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D), tuning=tun)
     f = jax.jit(lambda q, nt, layer, *c: kd.kivi_decode(q, *c, nt, layer, **kw))

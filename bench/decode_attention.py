@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax.quant import value_codes_blocked
 from pallas_kernels import kivi_decode_sm90 as kd
 
 L2_BYTES = 60e6
@@ -60,9 +61,12 @@ def quant_bytes(B, Hkv, D, T, kb, vb, G):
     return B * Hkv * T * D * (kb + vb) / 8 + 4 * B * Hkv * T * D // G * 2
 
 
-def make_cache(key, L, B, Hkv, D, T, kb, vb, G, blocked=True):
+def make_cache(key, L, B, Hkv, D, T, kb, vb, G, blocked=None):
     """Random bytes (valid packed codes), scales and minimums in the cache's layout
-    (docs/layout.md; blocked=False: the value codes as unblocked [.., D, T/Pv] rows)."""
+    (docs/layout.md: 2-bit value codes in blocks of 64 byte columns; blocked=False/True: the
+    value codes as unblocked [.., D, T/Pv] rows or as blocks at any width)."""
+    if blocked is None:
+        blocked = value_codes_blocked(vb)
     ks = jax.random.split(key, 6)
     u8 = lambda k, s: jax.random.bits(k, s, jnp.uint8)  # random bytes are valid packed codes
     f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
@@ -187,7 +191,8 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
     qb = quant_bytes(B, Hkv, D, T, kb, vb, G)
     L = layers_for(qb)
     # alt "vrows": the value codes as unblocked rows [.., D, T/Pv] (the layout before run 109)
-    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G, blocked=not alt)
+    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, vb, G,
+                       blocked=False if alt else None)
     tun = tuning or kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=vb, group_size=G)
     if alt == "vrows":
         alt = False

@@ -132,8 +132,10 @@ def quantized_region_folded(
     s = jnp.where((jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None], s, -jnp.inf)
 
     vg = values.group_size
-    vc = unpack_tokens(unblock_columns(values.codes[layer]), values.bits, axis=-1).astype(
-        jnp.float32)
+    vcodes = values.codes[layer]
+    if values.blocked:
+        vcodes = unblock_columns(vcodes)
+    vc = unpack_tokens(vcodes, values.bits, axis=-1).astype(jnp.float32)
     # per-token scales are held in the cache order (docs/layout.md): back to token order
     vs = to_cache_order(values.scale[layer].astype(jnp.float32), -1)  # [B, H, D/G, Tq]
     vz = to_cache_order(values.minimum[layer].astype(jnp.float32), -1)

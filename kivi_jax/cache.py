@@ -39,6 +39,7 @@ from kivi_jax.quant import (
     swap_bytes,
     swapped_byte,
     to_cache_order,
+    value_codes_blocked,
 )
 
 static = dict(static=True)
@@ -103,11 +104,13 @@ class QuantizedStore:
     axis="token": one (scale, min) per token and group of G channels; the residual holds the
     newest W = R tokens, each quantized when it leaves (KIVI values).
     transposed=False keeps tokens on the rows of the codes (keys); True keeps them on the
-    columns, i.e. stores V^T (values), which is what the kernel's P.V product wants, in blocks
-    of 64 byte columns (`kivi_jax.quant.block_columns`: one contiguous block per kernel step).
+    columns, i.e. stores V^T (values), which is what the kernel's P.V product wants; at 2 bits
+    in blocks of 64 byte columns (`kivi_jax.quant.block_columns`, `value_codes_blocked`: one
+    contiguous block per kernel step).
     """
 
-    codes: Array  # [L, B, Hkv, Tq/P, D], transposed: [L, B, Hkv, Tq/(64 P), D, 64]   uint8
+    # [L, B, Hkv, Tq/P, D]; transposed: [L, B, Hkv, D, Tq/P], blocked [L, B, Hkv, Tq/(64 P), D, 64]
+    codes: Array  # uint8
     scale: Array  # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/G, Tq]
     minimum: Array  # same shape and dtype as scale
     residual: Array  # [L, B, Hkv, W, D] in the model dtype; token p in slot p % W
@@ -121,11 +124,16 @@ class QuantizedStore:
         return self.residual.shape[-2]
 
     @property
+    def blocked(self) -> bool:
+        """V^T codes in blocks of 64 byte columns (`kivi_jax.quant.block_columns`)."""
+        return self.transposed and self.codes.ndim == 6
+
+    @property
     def packed_len(self) -> int:
         """Tq / P: packed token rows (byte columns of V^T) per row."""
-        if self.transposed:
+        if self.blocked:
             return self.codes.shape[-3] * CODE_BLOCK
-        return self.codes.shape[-2]
+        return self.codes.shape[-1] if self.transposed else self.codes.shape[-2]
 
     @property
     def capacity(self) -> int:
@@ -157,8 +165,10 @@ class QuantizedStore:
     ) -> QuantizedStore:
         lbh = (num_layers, batch, kv_heads)
         per = codes_per_byte(bits)
-        if transposed:
+        if transposed and value_codes_blocked(bits):
             codes = (*lbh, capacity // per // CODE_BLOCK, head_dim, CODE_BLOCK)
+        elif transposed:
+            codes = (*lbh, head_dim, capacity // per)
         else:
             codes = (*lbh, capacity // per, head_dim)
         if axis == "channel":
@@ -179,7 +189,8 @@ class QuantizedStore:
     def logical_axes(self) -> QuantizedStore:
         lbh = ("layers", "batch", "kv_heads")
         if self.transposed:
-            codes = jax.P(*lbh, "cache_seq_packed", "head_dim", None)
+            codes = (jax.P(*lbh, "cache_seq_packed", "head_dim", None) if self.blocked else
+                     jax.P(*lbh, "head_dim", "cache_seq_packed"))
         else:
             codes = jax.P(*lbh, "cache_seq_packed", "head_dim")
         if self.axis == "channel":
@@ -195,10 +206,12 @@ class QuantizedStore:
     def _add_codes(self, layer, b, rows, vals) -> Array:
         """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
         (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`)."""
-        if self.transposed:  # a token row is a byte column of V^T, in blocks of 64 columns
+        if self.blocked:  # a token row is a byte column of V^T, in blocks of 64 columns
             col = swapped_byte(rows)
             return self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK].add(
                 vals, mode="drop")
+        if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
+            return self.codes.at[layer, b, :, :, swapped_byte(rows)].add(vals, mode="drop")
         return self.codes.at[layer, b, :, rows, :].add(swap_bytes(vals, -1), mode="drop")
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
@@ -338,8 +351,13 @@ class QuantizedStore:
             codes = codes.reshape(nl, nb, nh, s_pad, d)
         codes = jnp.where(keep[..., None], codes, 0).astype(jnp.uint8)
         if self.transposed:
-            packed = block_columns(pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1))
-            new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-3], :, :].set(packed)
+            packed = pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1)
+            if self.blocked:
+                packed = block_columns(packed)
+                new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-3], :, :].set(
+                    packed)
+            else:
+                new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-1]].set(packed)
         else:
             packed = pack_tokens(codes, self.bits, axis=-2)
             new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-2], :].set(packed)
@@ -377,9 +395,11 @@ class QuantizedStore:
         tq = self.capacity
         tc = jnp.clip(t, 0, tq - 1)
         rows, shifts = token_rows(tc, self.bits)
-        if self.transposed:
+        if self.blocked:
             col = swapped_byte(rows)
             packed = self.codes[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK]  # [B, N, H, D]
+        elif self.transposed:
+            packed = self.codes[layer, b, :, :, swapped_byte(rows)]  # [B, N, H, D]
         else:
             packed = swap_bytes(self.codes[layer, b, :, rows, :], -1)
         codes = (packed >> shifts[..., None, None]) & jnp.uint8((1 << self.bits) - 1)
@@ -497,7 +517,8 @@ class KiviCache(_CacheOps):
     """KIVI-quantized KV cache of all layers (layout: docs/layout.md)."""
 
     keys: QuantizedStore  # codes [L, B, Hkv, Tq/Pk, D]; scale/min [L, B, Hkv, Tq/G, D]
-    values: QuantizedStore  # codes [L, B, Hkv, Tq/(64 Pv), D, 64]; scale/min [L, B, Hkv, D/G, Tq]
+    # codes [L, B, Hkv, D, Tq/Pv] (2-bit: blocked [L, B, Hkv, Tq/256, D, 64]); scale/min
+    values: QuantizedStore  # [L, B, Hkv, D/G, Tq]
     lengths: Array  # [B] int32: tokens held per row
     config: KiviConfig = dataclasses.field(metadata=static)
     max_len: int = dataclasses.field(metadata=static)

@@ -23,11 +23,12 @@ widens a 32-bit word of codes into fp16 pairs (b0, b2), (b1, b3) as the word its
 word shifted right by 8, the code field masks clearing the other byte, and those pairs are the
 elements (4k, 4k + 1), (4k + 2, 4k + 3) of the row.
 
-The value codes (V^T: [..., D, T/P], tokens along the columns) are stored in blocks of 64
-columns, [..., T/(64 P), D, 64] (`block_columns`): the 64 P tokens of a block, which a kernel
-step copies for all D channels, are one contiguous 64 D-byte run instead of D rows of 64 bytes
-T/P bytes apart (docs/performance.md run 109: the 2-bit kernel's load pipeline 0.193 -> 0.164
-ms at B=8 T=128k, the kernel 2-6% faster).
+2-bit value codes (V^T: [..., D, T/P], tokens along the columns) are stored in blocks of 64
+columns, [..., T/256, D, 64] (`block_columns`, `value_codes_blocked`): the 256 tokens of a
+block, which a kernel step copies for all D channels, are one contiguous 64 D-byte run instead
+of D rows of 64 bytes T/4 bytes apart (docs/performance.md runs 109-110: the 2-bit kernel's
+load pipeline 0.193 -> 0.164 ms at B=8 T=128k, the kernel 4-10% faster). 4-bit value codes
+stay in rows: their kernel, with 512-token copies, was 2-3% slower over the blocks.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def unpack_tokens(packed: Array, bits: int, *, axis: int) -> Array:
     """Inverse of `pack_tokens`: uint8 codes with the tokens in order along `axis`."""
     return to_cache_order(unpack(swap_bytes(packed, -1), bits, axis=axis, plane=CACHE_PLANE),
                           axis)
+
+
+def value_codes_blocked(bits: int) -> bool:
+    """Whether the KV cache stores `bits`-bit value codes in blocks of 64 byte columns
+    (`block_columns`; module doc): at 2 bits (runs 109-110: the kernel 4-10% faster), not at 4
+    (2-3% slower)."""
+    return codes_per_byte(bits) == 4
 
 
 def block_columns(x: Array) -> Array:

@@ -24,7 +24,13 @@ import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kivi_jax.quant import block_columns, pack_tokens, to_cache_order, unblock_columns
+from kivi_jax.quant import (
+    block_columns,
+    pack_tokens,
+    to_cache_order,
+    unblock_columns,
+    value_codes_blocked,
+)
 from pallas_kernels import kivi_decode_sm90 as kd
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -56,9 +62,11 @@ def tol_for(tun, G, D, dtype):
     return TOL_F8 if tun is not None and kd._fp8_values(tun, G, D) else TOL[jnp.dtype(dtype)]
 
 
-def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G, blocked=True):
-    """Random codes, scales and minimums in the documented layout (docs/layout.md; blocked=False:
-    the value codes as unblocked [L, B, Hkv, D, Tq/Pv] rows, which the kernel also takes)."""
+def make_cache(seed, L, B, Hkv, D, Tq, kb, vb, G, blocked=None):
+    """Random codes, scales and minimums in the documented layout (docs/layout.md: 2-bit value
+    codes in blocks of 64 byte columns; blocked=True/False forces either form, which the kernel
+    takes at both widths)."""
+    blocked = value_codes_blocked(vb) if blocked is None else blocked
     rng = np.random.default_rng(seed)
     kc = rng.integers(0, 2**kb, (L, B, Hkv, Tq, D)).astype(np.uint8)
     vc = rng.integers(0, 2**vb, (L, B, Hkv, D, Tq)).astype(np.uint8)
@@ -937,7 +945,9 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     f = lambda k, s, lo, hi: jax.random.uniform(k, s, jnp.float32, lo, hi).astype(jnp.float16)
     cache = (u8(ks[0], (L, B, Hkv, Tq * kb // 8, D)), f(ks[1], (L, B, Hkv, Tq // G, D), .02, .3),
              f(ks[2], (L, B, Hkv, Tq // G, D), -.6, 0.),
-             u8(ks[3], (L, B, Hkv, Tq * vb // 8 // 64, D, 64)),  # the cache's blocked V codes
+             # the cache's value codes: 2-bit in blocks of 64 byte columns
+             u8(ks[3], (L, B, Hkv, Tq * vb // 8 // 64, D, 64) if value_codes_blocked(vb) else
+                (L, B, Hkv, D, Tq * vb // 8)),
              f(ks[4], (L, B, Hkv, D // G, Tq), .02, .3), f(ks[5], (L, B, Hkv, D // G, Tq), -.6, 0.))
     q = jax.random.normal(ks[6], (B, Hq, D), jnp.float32).astype(dt)
     rng = np.random.default_rng(Tq + B)
