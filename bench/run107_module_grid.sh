@@ -8,19 +8,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 D=$(date +%F)
 R="$OUT/pytest_gpu_${D}_run107.txt"
-{ python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_kivi_decode_sm90.py
-  python3 -m pytest -q -p no:cacheprovider --collect-only tests/test_attention.py
-} 2>/dev/null | grep "::" > /tmp/ids.txt
-echo "$(wc -l < /tmp/ids.txt) tests in 4 shards" | tee "$R"
-for i in 0 1 2 3; do
-  awk -v i=$i 'NR % 4 == i' /tmp/ids.txt > /tmp/shard$i.txt
-  mapfile -t ids < /tmp/shard$i.txt  # node ids with spaces (the dispatch tests' configs)
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 290 python3 -m pytest -q -p no:cacheprovider \
-    "${ids[@]}" > /tmp/shard$i.log 2>&1 &
-done
-wait
-for i in 0 1 2 3; do grep -iE "passed|failed|error" /tmp/shard$i.log | tail -6 \
-  | sed "s/^/shard $i: /" | tee -a "$R"; done
+bash bench/gpu_tests_sharded.sh "$R" 290
 [ "${GRID:-1}" = 1 ] || exit 0  # GRID=0: the tests only (run 107b)
 mkdir -p "$OUT/g32"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 240 python3 bench/decode_attention.py --mode grid \

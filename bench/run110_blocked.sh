@@ -12,19 +12,7 @@ D=$(date +%F)
 M=XLA_PYTHON_CLIENT_MEM_FRACTION
 if [ "${PART:-check}" = check ]; then
   R="$OUT/pytest_gpu_${D}_run110.txt"
-  { python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_kivi_decode_sm90.py
-    python3 -m pytest -q -p no:cacheprovider --collect-only tests/test_attention.py
-  } 2>/dev/null | grep "::" > /tmp/ids.txt
-  echo "$(wc -l < /tmp/ids.txt) tests in 4 shards" | tee "$R"
-  for i in 0 1 2 3; do
-    awk -v i=$i 'NR % 4 == i' /tmp/ids.txt > /tmp/shard$i.txt
-    mapfile -t ids < /tmp/shard$i.txt  # node ids with spaces (the dispatch tests' configs)
-    env $M=0.2 timeout 260 python3 -m pytest -q -p no:cacheprovider "${ids[@]}" \
-      > /tmp/shard$i.log 2>&1 &
-  done
-  wait
-  for i in 0 1 2 3; do grep -iE "passed|failed|error" /tmp/shard$i.log | tail -8 \
-    | sed "s/^/shard $i: /" | tee -a "$R"; done
+  bash bench/gpu_tests_sharded.sh "$R" 260
   A="$OUT/ab_${D}_run110.txt"
   V="default;vrows:pack_planes=0"
   env $M=0.95 timeout 200 python3 bench/point_compare.py --points 8x131072 \
