@@ -1,4 +1,4 @@
-"""The kernel over V codes in 64-column blocks (`kd.block_value_codes`) against the same kernel
+"""The kernel over V codes in 64-column blocks (`block_columns`) against the same kernel
 over the documented layout (bit-identical expected: the same SMEM image) and the f32 twin, at
 choose_tuning's anchor launches (runs 88, 109).
 
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 import decode_attention as da  # noqa: E402
 
+from kivi_jax.quant import block_columns  # noqa: E402
 from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def main():
         nt = jnp.array([T, 7001, 255], jnp.int32)
         kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
         o, lse = kd.kivi_decode(q, *cache, nt, jnp.int32(1), **kw, tuning=tun)
-        blk = (*cache[:3], kd.block_value_codes(cache[3]), *cache[4:])
+        blk = (*cache[:3], block_columns(cache[3]), *cache[4:])
         ob, lseb = kd.kivi_decode(q, *blk, nt, jnp.int32(1), **kw, tuning=tun)
         ro, _ = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **kw)
         same = bool(jnp.all(o == ob) & jnp.all(lse == lseb))

@@ -2636,16 +2636,6 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     return kern, (meta, qf, *cache), nq
 
 
-def block_value_codes(v_codes):
-    """V codes [..., D, Tq/Pv] -> the cache's [..., Tq/(64 Pv), D, 64] (`kivi_jax.quant.
-    block_columns`): one contiguous block per 64 byte columns (64 Pv tokens). The kernel takes
-    both (the same SMEM image); the blocked form is one 8 KiB copy per 256 2-bit tokens instead
-    of 128 rows of 64 bytes (docs/performance.md runs 74-75, 88, 109)."""
-    from kivi_jax.quant import block_columns
-
-    return block_columns(v_codes)
-
-
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):
     """The experimental layout measured in docs/performance.md (not the project's layout):
     V codes as [L,B,Hkv,Tq/(64 Pv),D,64] (one contiguous block per 64*Pv tokens), key scale and
@@ -2668,9 +2658,10 @@ def kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens,
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
     q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
-    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes
-    [L,B,Hkv,Tq/(64 Pv),D,64] u8 (the cache's blocks of 64 byte columns of V^T; the unblocked
-    [L,B,Hkv,D,Tq/Pv] also works, with the same results, 2-6% slower at 2 bits),
+    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes u8 as rows
+    [L,B,Hkv,D,Tq/Pv] or in blocks of 64 byte columns [L,B,Hkv,Tq/(64 Pv),D,64]
+    (`kivi_jax.quant.block_columns`; the cache blocks them at 2 bits, where the kernel is 4-10%
+    faster over blocks, and keeps rows at 4; either form gives the same bits),
     v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend to positions
     [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be traced; the kernel
     reads both itself). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log
