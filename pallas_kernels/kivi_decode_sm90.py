@@ -121,6 +121,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -303,6 +304,24 @@ class TuningConfig:
       wgmma operands only; without fold_v_warp, which is native only). choose_tuning sets it
       at 2 bits (run 92: G=128 3-4% faster at the anchor; run 109, with fold_v_warp over the
       blocked value codes: G=32 2.5-4%).
+    early_refill: with copy_warp in a kernel without auto barriers (not release_slots, the
+      per-warp softmax or 512-token steps), a step's copies come in two parts on two barriers
+      per slot (`_pipeline`'s split): the key codes, key vectors and (where the softmax reads
+      them, the scale folded into its exponent) the value vectors are refilled for step i +
+      stages as soon as step i's cross-warp max has passed (every warp has read them), and
+      the step waits for the rest (the value codes, and their vectors where the value product
+      reads them) only before its value product: about one and a half steps for each copy
+      to land instead of one, in the same shared memory. Native only.
+    half_k_bias: with pack_planes and one key group per warp and step (G >= 64), the key bias
+      q . z_g by one mma.sync of K = D/2 instead of D: rows 0-7 of its A z_g's first half, rows
+      8-15 its second, against a B whose columns 0-3 are q's first half and 4-7 (q's heads
+      repeated there) its second (`_rows_split`, `_rhs_split`), the halves added by one
+      shuffle (`_split_sum`): D/32 HMMA per warp and step fewer. Native only.
+    mask_halves: with pack_planes, the half of each mma's B that its plane does not use (the
+      key product's q * s_g and the value product's P: columns 4-7 for the even plane, 0-3 for
+      the odd) zeroed (`_mask_rhs`, one select per register): the same results, the tensor
+      cores multiplying zeros there instead of live data (the kernel runs at the H200's power
+      cap, docs/performance.md run 113). Native only.
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, fold_v_warp
     and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay); the launch
@@ -339,6 +358,9 @@ class TuningConfig:
     vec64: bool = False
     fold_v_warp: bool = False
     pack_planes: bool = False
+    early_refill: bool = False
+    half_k_bias: bool = False
+    mask_halves: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -1380,6 +1402,99 @@ def _rows_of(za, zb=None):
     return rows(za) if one else rows(za, zb)
 
 
+def _mask_rhs(b, upper: bool):
+    """b (K, 8) mma.sync's B operand (`Layout.MMA_RHS`) with columns 0-3 (upper: 4-7) zeroed:
+    lane l holds column l // 4, so it is one select per register on the lane. Not
+    interpretable."""
+    lay = plgpu.Layout.MMA_RHS(b.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(lay,),
+                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
+    def mask(_, ba):
+        lane, _ = _lane_warp()
+        keep = arith.cmpi(arith.CmpIPredicate.uge if upper else arith.CmpIPredicate.ult, lane,
+                          _i32(16))
+        regs = np.empty_like(ba.registers)
+        for i, r in np.ndenumerate(ba.registers):
+            zero = arith.constant(r.type, ir.DenseElementsAttr.get_splat(
+                r.type, ir.FloatAttr.get(ir.VectorType(r.type).element_type, 0.0)))
+            regs[i] = arith.select(keep, r, zero)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
+
+    return mask(b)
+
+
+def _rows_split(z):
+    """The (64, X/2) tile (WGMMA layout) whose rows 16 w + (0..7) are z[:X/2] and 16 w + (8..15)
+    z[X/2:], z (X,) in the reduce(0) layout (per-warp vectors allowed): against `_rhs_split`'s
+    B, one mma.sync of K = X/2 gives both halves of z . q (`_split_sum`), half the K of a
+    `_rows_of` product whose rows 8..15 are dropped. Per register, no instructions. Not
+    interpretable."""
+    X = z.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X // 2), z.dtype, layout=_WG))
+    def rows(_, a):
+        at = _origins(a)
+        lay = mgpu_fa.WGMMA_LAYOUT
+        regs = np.empty(lay.registers_shape((PLANE, X // 2)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            regs[i] = _fresh(at[(c0 + (X // 2 if r0 // 8 % 2 else 0),)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
+
+    return rows(z)
+
+
+def _rhs_split(b):
+    """b (K, 8) mma.sync's B operand (`Layout.MMA_RHS`) whose columns 4-7 repeat 0-3 (q under
+    pack_planes) -> (K/2, 8): columns 0-3 rows 0..K/2-1 of b, columns 4-7 rows K/2..K-1. Lane l
+    holds column l // 4, so it is one select per register on the lane (loop-invariant where b
+    is). Not interpretable."""
+    K, N = b.shape
+    lay = plgpu.Layout.MMA_RHS(b.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(lay,),
+                       return_type=plgpu.ShapeDtypeStruct((K // 2, N), b.dtype, layout=lay))
+    def pick(_, ba):
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, lane, _i32(16))  # columns 4-7
+        at = {ba.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(ba.registers)}
+        mlay = ba.layout
+        regs = np.empty(mlay.registers_shape((K // 2, N)), dtype=object)
+        for i in np.ndindex(regs.shape):
+            k0, n0 = mlay.tiling.untile_indices(i)
+            regs[i] = arith.select(upper, at[(k0 + K // 2, n0)], at[(k0, n0)])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=mlay, _is_signed=None)
+
+    return pick(b)
+
+
+def _split_sum(c):
+    """The (64, 8) broadcast of z . q from the product of `_rows_split(z)` and `_rhs_split(q)`
+    (WGMMA layout): lane (g, t) with t < 2 holds z[:X/2] . q[:X/2] of columns 2t, 2t + 1 in row
+    g, t >= 2 z[X/2:] . q[X/2:] of the same heads (columns 2t - 4 ..) in row g + 8; each picks
+    its own half and adds lane t ^ 2's (one butterfly shuffle per f32), and columns c, c + 4
+    get the same head's sum, as pack_planes' tiles want. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG,),
+                       return_type=plgpu.ShapeDtypeStruct(c.shape, c.dtype, layout=_WG))
+    def total(_, xa):
+        at = _origins(xa)
+        lane, _ = _lane_warp()
+        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
+        regs = np.empty_like(xa.registers)
+        for i in np.ndindex(regs.shape):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            base = r0 - r0 % 16
+            own = arith.select(upper, at[(base + 8, c0)], at[(base, c0)])
+            regs[i] = arith.addf(own, mgpu_utils.shfl_bfly(own, 2))
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
+                                       _is_signed=xa.is_signed)
+
+    return total(c)
+
+
 _MMA_K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
             "{$8,$9}, {$10,$11,$12,$13};")
 
@@ -1554,9 +1669,17 @@ def _wg_sync(interpret):
     sync()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refill:
+    """`_pipeline`'s hooks into a step with split refills: early() issues the next refill of
+    the early buffers of the step's slot, wait_late() waits for the late buffers to land."""
+    early: Callable[[], None]
+    wait_late: Callable[[], None]
+
+
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
               sync: bool = False, one_warp: bool = False, empty=None, issuer=None,
-              spread: bool = False, no_copies: bool = False):
+              spread: bool = False, no_copies: bool = False, split=None, late_barrier=None):
     """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
     own buffers): steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
@@ -1572,37 +1695,47 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     has read the slot, and only the issuing warp waits there before refilling it, in place of
     the warpgroup barrier (`TuningConfig.release_slots`). spread (with one_warp): copy j
     from warp (issuer + j) % 4, so that no warp computes more than two copies' coordinates
-    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`)."""
+    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`).
+    split (with one_warp and sync, not empty): (early, late), a partition of the specs'
+    indices; the late ones complete on `late_barrier` (same indexing). The step refills the
+    early buffers of step i + stages itself, once its reads of them are done, and waits for the
+    late ones before it reads them: `step` is called with hooks=`_Refill` and must call
+    `hooks.early()` (after a warpgroup barrier that follows its last read of the early buffers)
+    and `hooks.wait_late()` (before its first read of the late ones) once each. Each copy then
+    has about one and a half steps to land instead of one (`TuningConfig.early_refill`)."""
     def copies(i, slot, which=None):
         for j, (spec, src, buf) in enumerate(zip(specs, srcs, bufs, strict=True)):
             if which is not None and j not in which:
                 continue
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
                                                           strict=True))
-            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
+            bar = late_barrier if split and j in split[1] else barrier
+            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], bar.at[wg * stages + slot])
 
     release = empty is not None  # the caller passes it only with one_warp and sync
 
-    def fetch(i, slot, first=False):
-        if sync and not first and not release:
+    def fetch(i, slot, first=False, subset=None, synced=False):
+        """The copies of step i (those in subset, default all) into slot; synced: the caller
+        has just passed a warpgroup barrier after its reads of them."""
+        if sync and not first and not release and not synced:
             _wg_sync(False)
+        own = tuple(range(len(specs))) if subset is None else tuple(subset)
         if one_warp:
-            def issue(which=None):
+            def issue(which):
                 if release and not first:  # every warp has read the slot
                     plgpu.barrier_wait(empty.at[wg * stages + slot])
                 copies(i, slot, which)
             # warp semantics: the issuing warp's 32 threads arrive for all 128
             who = lax.rem(wg, 4) if issuer is None else issuer
-            if spread:  # copy j from warp (who + j) % 4
+            if spread:  # copy own[j] from warp (who + j) % 4
                 def per_warp(w):
-                    for k in range(min(4, len(specs))):
-                        which = tuple(range(k, len(specs), 4))
-                        pl.when(w == lax.rem(who + k, 4))(functools.partial(issue, which))
+                    for k in range(min(4, len(own))):
+                        pl.when(w == lax.rem(who + k, 4))(functools.partial(issue, own[k::4]))
                 plgpu.warp_map(per_warp)
             else:
-                plgpu.warp_map(lambda w: pl.when(w == who)(issue))
+                plgpu.warp_map(lambda w: pl.when(w == who)(functools.partial(issue, own)))
         else:
-            copies(i, slot)
+            copies(i, slot, own)
 
     for k in range(stages):
         pl.when(k < nsteps)(functools.partial(fetch, k, k, True))
@@ -1610,9 +1743,22 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     def body(i, carry):
         slot = lax.rem(i, stages)
         if no_copies:  # the prologue's copies, then none: compute on the filled slots
-            pl.when(i < stages)(lambda: plgpu.barrier_wait(barrier.at[wg * stages + slot]))
+            def wait_prologue():
+                plgpu.barrier_wait(barrier.at[wg * stages + slot])
+                if split:
+                    plgpu.barrier_wait(late_barrier.at[wg * stages + slot])
+            pl.when(i < stages)(wait_prologue)
             return step((i,), *[buf.at[slot] for buf in bufs], carry)
         plgpu.barrier_wait(barrier.at[wg * stages + slot])
+        if split:
+            early, late = split
+            hooks = _Refill(
+                early=lambda: pl.when(i + stages < nsteps)(
+                    lambda: fetch(i + stages, slot, subset=early, synced=True)),
+                wait_late=lambda: plgpu.barrier_wait(late_barrier.at[wg * stages + slot]))
+            carry = step((i,), *[buf.at[slot] for buf in bufs], carry, hooks=hooks)
+            pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot, subset=late))
+            return carry
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
         if release:
             plgpu.barrier_arrive(empty.at[wg * stages + slot])
@@ -1712,6 +1858,7 @@ def _make_kernel(
     vw_groups = tuple((D // 4) * w // G for w in range(4))  # (fvw) warp w's channel group
     # pack_planes: score tile t holds planes 2t (columns 0-3) and 2t + 1 (columns 4-7)
     pk = pack and not wsm and not alt_layout
+    mask_b = pk and tuning.mask_halves and not interpret
     tiles = planes // 2 if pk else planes
     # lazy_rescale in the shared softmax (natively; the vsub and exact value paths, whose B
     # bounds take the slack): the running max is the warpgroup's, so every warp takes the
@@ -1740,6 +1887,12 @@ def _make_kernel(
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
+    # early_refill: `_pipeline`'s split. The early part is what a step reads before its
+    # cross-warp max: the keys, and the value vectors where the softmax takes log2 s_t (lgmax)
+    early = (0, 1, 2, 4, 5) if lgmax else (0, 1, 2)
+    split = ((early, tuple(j for j in range(6) if j not in early))
+             if (tuning.early_refill and one_warp and no_auto and not release and mmv
+                 and not wsm and TS == SUB and not tuning.skip and not alt_layout) else None)
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -2029,6 +2182,10 @@ def _make_kernel(
 
                 uniq = list(dict.fromkeys(key))
                 bias = {}
+                if pk and tuning.half_k_bias and len(uniq) == 1:  # one group per warp
+                    zq = _mma(zero, _rows_split(vec("kmin", uniq[0])), _rhs_split(q), interpret)
+                    bias[uniq[0]] = _split_sum(zq)
+                    uniq = []
                 for i in range(0, len(uniq), 2):
                     pair = uniq[i:i + 2]  # the last one alone: rows 8..15 left undefined
                     a = _rows_of(*(vec("kmin", k) for k in pair))
@@ -2044,10 +2201,14 @@ def _make_kernel(
                             codes[r] = widen_k0(v["kcodes"](r, 0))
                         if k not in bqs:  # q (in both halves) * s_g
                             bqs[k] = _scale_rhs(q, vec("kscale", k))
-                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), bqs[k],
-                                  interpret)
-                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), bqs[k],
-                                  interpret)
+                        b0 = b1 = bqs[k]
+                        if mask_b:  # each plane's unused half of B zeroed
+                            if (k, "lo") not in bqs:
+                                bqs[k, "lo"], bqs[k, "hi"] = (_mask_rhs(bqs[k], False),
+                                                              _mask_rhs(bqs[k], True))
+                            b0, b1 = bqs[k, "lo"], bqs[k, "hi"]
+                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), b0, interpret)
+                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), b1, interpret)
                         # columns 0-3 of the even plane's, 4-7 of the odd's, each with its
                         # field's weight
                         wt = _halves_const(_field_sub_weight(key_bits, p0 % Pk),
@@ -2113,20 +2274,21 @@ def _make_kernel(
                     return [a[...] for a in accs]
                 return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
 
-            def step(idx, *refs):
+            def step(idx, *refs, hooks=None):
                 *refs, carry = refs
                 if tuning.skip == "compute":  # ablation: the TMA pipeline alone
                     return carry
                 (i,) = idx
                 if TS == SUB:
-                    return sub_step(refs, start + i * TS, 0, carry)
+                    return sub_step(refs, start + i * TS, 0, carry, hooks)
                 # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
                 # size at one sub-step's.
                 return lax.fori_loop(
                     0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c),
                     carry)
 
-            def sub_step(refs, tok0, u, carry):
+            def sub_step(refs, tok0, u, carry, hooks=None):
+                """hooks (early_refill): `_pipeline`'s `_Refill` of the step's slot."""
                 v = views(refs, u)
                 m_run, l_t, accs, zaccs = carry
                 st = scores(v)
@@ -2153,6 +2315,8 @@ def _make_kernel(
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
                 mx = loop_max(tmax)
+                if hooks is not None:  # every warp has read the early buffers (the max's
+                    hooks.early()  # barrier): the next refill of them goes out now
                 if pk:  # a head's max over both halves (its even and odd planes)
                     mx = jnp.maximum(mx, _swap_halves(mx, interpret))
                 if lazy_sh:  # rescaled only when the max grew by more than the slack
@@ -2227,6 +2391,8 @@ def _make_kernel(
                 cache = {}
                 if mmv:  # P (stored by every warp) as each warp's B operand, in registers
                     _wg_sync(interpret)
+                    if hooks is not None:  # the value codes (and fvw: their vectors)
+                        hooks.wait_late()
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
                                             wide=tuning.vec64, align4=True)
@@ -2243,9 +2409,10 @@ def _make_kernel(
                                                        v["vmin"](p + 1)(0, ng))
                                     zaccs = (zaccs[0] + c * vw_const(t, True, (PLANE, NP)),)
                                     b = _scale_rhs(b, vec(v["vscale2"](p), n_half=PLANE))
+                            bp = _mask_rhs(b, p % 2 == 1) if mask_b else b
                             for mt in range(mtiles):
                                 i = mt + mtiles * (p % 2)
-                                new[i] = _mma(new[i], vt(v, p, mt, cache), b, interpret)
+                                new[i] = _mma(new[i], vt(v, p, mt, cache), bp, interpret)
                             continue
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
@@ -2391,7 +2558,8 @@ def _make_kernel(
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=who, spread=tuning.spread_copies,
-                    no_copies=tuning.skip == "copies")
+                    no_copies=tuning.skip == "copies", split=split,
+                    late_barrier=sc["late_bar"] if split else None)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -2474,7 +2642,11 @@ def _make_kernel(
     if own_pipe:  # the pipeline's buffers and barriers, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
-        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
+        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=len(split[0]) if split else n_in,
+                                            num_barriers=W * stages)
+        if split:
+            scratch["late_bar"] = plgpu.Barrier(num_arrivals=len(split[1]),
+                                                num_barriers=W * stages)
         if release:
             scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
