@@ -108,8 +108,12 @@ Warpgroups per block (`wg_per_block`): W > 1 puts W independent (b, h, split) un
 block, each warpgroup with its own pipeline (`_pipeline`), SMEM and reduction scratch
 (`_wg_reduce`), so that ptxas caps registers at 65536 / (128 W) (W = 3: 168, W = 4: 128) and
 an SM holds W warpgroups; the default for 2-bit caches at large B * Hkv * T (measured,
-`choose_tuning`: W = 4 at G = 128, W = 3 at G = 32). What bounds the loop (runs 44, 47):
-instruction issue; compute alone takes the kernel's time, the load pipeline alone 0.73 of it.
+`choose_tuning`: W = 4 at G = 128, W = 3 at G = 32). What bounds the 2-bit kernel now (runs
+113-115): the H200's 700 W power cap. Its compute alone and its load pipeline alone each run
+at 1980 MHz well under the cap; both at once draw the limit and the SM clock falls to ~1800
+MHz, so the time is the instructions per step at that clock, and energy per step is the lever:
+with packed planes the padding halves of both products' B are zero (`pack_zeros`: back to back
+1800 -> 1860 MHz, 2% faster at 2-bit G=128).
 
 Query heads: the Hq/Hkv heads of a KV group are padded to N = 8 (multiple of 8, at most 256)
 and scaled by sm_scale * log2(e) (logits in log2 units) in float32 before the cast to fp16:
@@ -121,7 +125,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import math
 
 import jax
 import jax.numpy as jnp
@@ -304,28 +308,22 @@ class TuningConfig:
       wgmma operands only; without fold_v_warp, which is native only). choose_tuning sets it
       at 2 bits (run 92: G=128 3-4% faster at the anchor; run 109, with fold_v_warp over the
       blocked value codes: G=32 2.5-4%).
-    early_refill: with copy_warp in a kernel without auto barriers (not release_slots, the
-      per-warp softmax or 512-token steps), a step's copies come in two parts on two barriers
-      per slot (`_pipeline`'s split): the key codes, key vectors and (where the softmax reads
-      them, the scale folded into its exponent) the value vectors are refilled for step i +
-      stages as soon as step i's cross-warp max has passed (every warp has read them), and
-      the step waits for the rest (the value codes, and their vectors where the value product
-      reads them) only before its value product: about one and a half steps for each copy
-      to land instead of one, in the same shared memory. Native only.
-    half_k_bias: with pack_planes and one key group per warp and step (G >= 64), the key bias
-      q . z_g by one mma.sync of K = D/2 instead of D: rows 0-7 of its A z_g's first half, rows
-      8-15 its second, against a B whose columns 0-3 are q's first half and 4-7 (q's heads
-      repeated there) its second (`_rows_split`, `_rhs_split`), the halves added by one
-      shuffle (`_split_sum`): D/32 HMMA per warp and step fewer. Native only.
-    mask_halves: with pack_planes, the half of each mma's B that its plane does not use (the
-      key product's q * s_g and the value product's P: columns 4-7 for the even plane, 0-3 for
-      the odd) zeroed (`_mask_rhs`, one select per register): the same results, the tensor
-      cores multiplying zeros there instead of live data (the kernel runs at the H200's power
-      cap, docs/performance.md run 113). Native only.
+    pack_zeros: with pack_planes, the padding columns of the key product's B and of the value
+      product's B stay zero instead of repeating live data: q is not repeated into columns 4-7,
+      so both planes' key products land in columns 0-3, the odd plane's moved to 4-7 by one
+      shuffle per register (`_swap_halves`) and added (in place of `_halves`' select), as is
+      the key bias; and a score tile's P is stored as two planes' B tiles (columns 0-3 of P^T
+      to plane 2t's rows 0-3, columns 4-7 to plane 2t + 1's, `_store_p_split`; their rows 4-7
+      zeroed once per split), so every plane's value product runs against its own B in one
+      accumulator set (half the accumulators, no swap at the end) at twice the B loads (not
+      with fold_v_warp, whose scaled B and minimums' product take the packed tile). The same
+      numbers; what changes is power: the kernel runs at the H200's 700 W cap, and the
+      tensor cores spend less energy multiplying zeros than live data (run 114: zeroing those
+      halves by selects raised the SM clock at the cap from 1800 to 1920 MHz).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
-    with the key product on mma.sync; release_slots, spread_copies, pack_planes, fold_v_warp
-    and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay); the launch
-    parameters (num_splits, wg_per_block) are a generic starting point: `choose_tuning` sizes
+    with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
+    fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay);
+    the launch parameters (num_splits, wg_per_block) are a generic starting point: `choose_tuning` sizes
     them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8; docs/performance.md runs
     40-42, 47).
     """
@@ -358,9 +356,7 @@ class TuningConfig:
     vec64: bool = False
     fold_v_warp: bool = False
     pack_planes: bool = False
-    early_refill: bool = False
-    half_k_bias: bool = False
-    mask_halves: bool = False
+    pack_zeros: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -636,9 +632,15 @@ def choose_tuning(
     # 0.248-0.250 ms (four pairs, runs 97-98), B=32 -7..-8%, B=1 and B=8 with one warpgroup
     # -1..-8% (run 98); at 4 bits mixed (-2.4..+8%), so only 2-bit.
     fvw = key_bits == value_bits == 2 and group_size < head_dim
+    # The packed planes' padding zero where both products take it (G = D, no fold_v_warp):
+    # the kernel runs at the 700 W power cap, where zeros cost the tensor cores less energy
+    # (run 115, 2-bit G=128 at the anchor back to back: SM clock 1800 -> 1860 MHz, 0.2143 ->
+    # 0.2099 ms; in the benchmark's bursts even, 0.1962 -> 0.1969 ms over three pairs); at G <
+    # D (the keys' padding only) even to slower (B=32 T=32k G=32 0.2241 -> 0.2322).
+    pz = pack and group_size == head_dim
     return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
                                spread_copies=spread, pack_planes=pack, fold_v_warp=fvw,
-                               vec64=fvw)
+                               vec64=fvw, pack_zeros=pz)
 
 
 def _swz(dtype, minor_elems):
@@ -884,13 +886,15 @@ def _transpose8x8(reg):
     return mgpu_utils.bitcast(t, reg.type)
 
 
-def _store_p_perm(p16, dst, col0: int = 0):
+def _store_p_perm(p16, dst, col0: int = 0, split: bool = False):
     """Stores P (64 tokens, N) fp16 (WGMMA layout) as columns [col0, col0 + 64) of the wgmma B
     operand dst [N, X] (tiling (8, 64), 128-byte swizzle) with the tokens in the `_PERM16`
     order: each 8x8 block of the warp's registers is transposed in registers (`movmatrix`), so
     that a thread holds two tokens of one head, which `_PERM16` keeps adjacent: one 32-bit store
     per register (instead of two 16-bit stores and their two byte permutes). Also q * s_g of the
-    folded key product (channels for tokens)."""
+    folded key product (channels for tokens). split (pack_zeros, N = 8): dst is two [8, 64]
+    tiles; columns 0-3 of P go to rows 0-3 of the first, columns 4-7 to rows 0-3 of the
+    second (rows 4-7 of both left as they are)."""
     ctiles = dst.shape[-1] // PLANE  # (8, 64) tiles per 8 rows of dst
 
     @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType(transforms=_swz(jnp.float16, PLANE))))
@@ -904,8 +908,14 @@ def _store_p_perm(p16, dst, col0: int = 0):
         # 1), in the 16-byte chunk 2 w + c % 2 of the head's 128-byte row, which the swizzle
         # xors with the row (g).
         chunk = arith.addi(arith.muli(warp, _i32(2)), arith.andi(c, _i32(1)))
-        row = arith.addi(arith.muli(g, _i32(128)),
-                         arith.muli(arith.xori(chunk, g), _i32(16)))
+        if split:  # head g: row g % 4 of tile g // 4
+            r = arith.andi(g, _i32(3))
+            row = arith.addi(arith.addi(arith.muli(arith.shrui(g, _i32(2)), _i32(1024)),
+                                        arith.muli(r, _i32(128))),
+                             arith.muli(arith.xori(chunk, r), _i32(16)))
+        else:
+            row = arith.addi(arith.muli(g, _i32(128)),
+                             arith.muli(arith.xori(chunk, g), _i32(16)))
         half = arith.muli(arith.shrui(c, _i32(1)), _i32(4))  # bytes of 2 (c // 2) fp16
         for idx in np.ndindex(x.registers.shape):
             i, h = idx[1], idx[4]  # column tile (8 heads), row half (rows r or r + 8)
@@ -915,6 +925,29 @@ def _store_p_perm(p16, dst, col0: int = 0):
             llvm.store(t, mgpu_utils.getelementptr(base, [off], i8))
 
     store(p16, dst)
+
+
+def _zero_smem(ref, transforms=()):
+    """Zeroes ref (a warpgroup's SMEM buffer of a multiple of 2 KiB, with its SMEM transforms)
+    with 16-byte stores; the caller orders them before other threads' accesses
+    (`_wg_sync`)."""
+    nbytes = math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+    if nbytes % 2048:
+        raise ValueError(f"_zero_smem needs a multiple of 2048 bytes, got {nbytes}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms),))
+    def zero(_, r):
+        lane, warp = _lane_warp()
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        v4 = ir.VectorType.get((4,), i32)
+        z = arith.constant(v4, ir.DenseElementsAttr.get_splat(v4, ir.IntegerAttr.get(i32, 0)))
+        base = mgpu_utils.memref_ptr(r)
+        tid16 = arith.muli(arith.addi(lane, arith.muli(warp, _i32(32))), _i32(16))
+        for k in range(nbytes // 2048):
+            off = arith.addi(tid16, _i32(2048 * k))
+            llvm.store(z, mgpu_utils.getelementptr(base, [off], i8))
+
+    zero(ref)
 
 
 def _f8_field_spec(bits: int, j: int):
@@ -1402,99 +1435,6 @@ def _rows_of(za, zb=None):
     return rows(za) if one else rows(za, zb)
 
 
-def _mask_rhs(b, upper: bool):
-    """b (K, 8) mma.sync's B operand (`Layout.MMA_RHS`) with columns 0-3 (upper: 4-7) zeroed:
-    lane l holds column l // 4, so it is one select per register on the lane. Not
-    interpretable."""
-    lay = plgpu.Layout.MMA_RHS(b.dtype)
-
-    @plgpu.inline_mgpu(arg_types=(lay,),
-                       return_type=plgpu.ShapeDtypeStruct(b.shape, b.dtype, layout=lay))
-    def mask(_, ba):
-        lane, _ = _lane_warp()
-        keep = arith.cmpi(arith.CmpIPredicate.uge if upper else arith.CmpIPredicate.ult, lane,
-                          _i32(16))
-        regs = np.empty_like(ba.registers)
-        for i, r in np.ndenumerate(ba.registers):
-            zero = arith.constant(r.type, ir.DenseElementsAttr.get_splat(
-                r.type, ir.FloatAttr.get(ir.VectorType(r.type).element_type, 0.0)))
-            regs[i] = arith.select(keep, r, zero)
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=ba.layout, _is_signed=None)
-
-    return mask(b)
-
-
-def _rows_split(z):
-    """The (64, X/2) tile (WGMMA layout) whose rows 16 w + (0..7) are z[:X/2] and 16 w + (8..15)
-    z[X/2:], z (X,) in the reduce(0) layout (per-warp vectors allowed): against `_rhs_split`'s
-    B, one mma.sync of K = X/2 gives both halves of z . q (`_split_sum`), half the K of a
-    `_rows_of` product whose rows 8..15 are dropped. Per register, no instructions. Not
-    interpretable."""
-    X = z.shape[0]
-
-    @plgpu.inline_mgpu(arg_types=(_WG.reduce(0),),
-                       return_type=plgpu.ShapeDtypeStruct((PLANE, X // 2), z.dtype, layout=_WG))
-    def rows(_, a):
-        at = _origins(a)
-        lay = mgpu_fa.WGMMA_LAYOUT
-        regs = np.empty(lay.registers_shape((PLANE, X // 2)), dtype=object)
-        for i in np.ndindex(regs.shape):
-            r0, c0 = lay.tiling.untile_indices(i)
-            regs[i] = _fresh(at[(c0 + (X // 2 if r0 // 8 % 2 else 0),)])
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
-
-    return rows(z)
-
-
-def _rhs_split(b):
-    """b (K, 8) mma.sync's B operand (`Layout.MMA_RHS`) whose columns 4-7 repeat 0-3 (q under
-    pack_planes) -> (K/2, 8): columns 0-3 rows 0..K/2-1 of b, columns 4-7 rows K/2..K-1. Lane l
-    holds column l // 4, so it is one select per register on the lane (loop-invariant where b
-    is). Not interpretable."""
-    K, N = b.shape
-    lay = plgpu.Layout.MMA_RHS(b.dtype)
-
-    @plgpu.inline_mgpu(arg_types=(lay,),
-                       return_type=plgpu.ShapeDtypeStruct((K // 2, N), b.dtype, layout=lay))
-    def pick(_, ba):
-        lane, _ = _lane_warp()
-        upper = arith.cmpi(arith.CmpIPredicate.uge, lane, _i32(16))  # columns 4-7
-        at = {ba.layout.tiling.untile_indices(i): r for i, r in np.ndenumerate(ba.registers)}
-        mlay = ba.layout
-        regs = np.empty(mlay.registers_shape((K // 2, N)), dtype=object)
-        for i in np.ndindex(regs.shape):
-            k0, n0 = mlay.tiling.untile_indices(i)
-            regs[i] = arith.select(upper, at[(k0 + K // 2, n0)], at[(k0, n0)])
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=mlay, _is_signed=None)
-
-    return pick(b)
-
-
-def _split_sum(c):
-    """The (64, 8) broadcast of z . q from the product of `_rows_split(z)` and `_rhs_split(q)`
-    (WGMMA layout): lane (g, t) with t < 2 holds z[:X/2] . q[:X/2] of columns 2t, 2t + 1 in row
-    g, t >= 2 z[X/2:] . q[X/2:] of the same heads (columns 2t - 4 ..) in row g + 8; each picks
-    its own half and adds lane t ^ 2's (one butterfly shuffle per f32), and columns c, c + 4
-    get the same head's sum, as pack_planes' tiles want. Not interpretable."""
-
-    @plgpu.inline_mgpu(arg_types=(_WG,),
-                       return_type=plgpu.ShapeDtypeStruct(c.shape, c.dtype, layout=_WG))
-    def total(_, xa):
-        at = _origins(xa)
-        lane, _ = _lane_warp()
-        upper = arith.cmpi(arith.CmpIPredicate.uge, arith.andi(lane, _i32(3)), _i32(2))
-        regs = np.empty_like(xa.registers)
-        for i in np.ndindex(regs.shape):
-            r0, c0 = xa.layout.tiling.untile_indices(i)
-            base = r0 - r0 % 16
-            own = arith.select(upper, at[(base + 8, c0)], at[(base, c0)])
-            regs[i] = arith.addf(own, mgpu_utils.shfl_bfly(own, 2))
-        return mgpu_fa.FragmentedArray(_registers=regs, _layout=xa.layout,
-                                       _is_signed=xa.is_signed)
-
-    return total(c)
-
-
 _MMA_K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
             "{$8,$9}, {$10,$11,$12,$13};")
 
@@ -1669,17 +1609,9 @@ def _wg_sync(interpret):
     sync()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refill:
-    """`_pipeline`'s hooks into a step with split refills: early() issues the next refill of
-    the early buffers of the step's slot, wait_late() waits for the late buffers to land."""
-    early: Callable[[], None]
-    wait_late: Callable[[], None]
-
-
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
               sync: bool = False, one_warp: bool = False, empty=None, issuer=None,
-              spread: bool = False, no_copies: bool = False, split=None, late_barrier=None):
+              spread: bool = False, no_copies: bool = False):
     """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
     own buffers): steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
@@ -1695,47 +1627,37 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     has read the slot, and only the issuing warp waits there before refilling it, in place of
     the warpgroup barrier (`TuningConfig.release_slots`). spread (with one_warp): copy j
     from warp (issuer + j) % 4, so that no warp computes more than two copies' coordinates
-    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`).
-    split (with one_warp and sync, not empty): (early, late), a partition of the specs'
-    indices; the late ones complete on `late_barrier` (same indexing). The step refills the
-    early buffers of step i + stages itself, once its reads of them are done, and waits for the
-    late ones before it reads them: `step` is called with hooks=`_Refill` and must call
-    `hooks.early()` (after a warpgroup barrier that follows its last read of the early buffers)
-    and `hooks.wait_late()` (before its first read of the late ones) once each. Each copy then
-    has about one and a half steps to land instead of one (`TuningConfig.early_refill`)."""
+    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`)."""
     def copies(i, slot, which=None):
         for j, (spec, src, buf) in enumerate(zip(specs, srcs, bufs, strict=True)):
             if which is not None and j not in which:
                 continue
             at = tuple(pl.ds(ix * n, n) for ix, n in zip(spec.index_map(i), spec.block_shape,
                                                           strict=True))
-            bar = late_barrier if split and j in split[1] else barrier
-            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], bar.at[wg * stages + slot])
+            plgpu.copy_gmem_to_smem(src.at[at], buf.at[slot], barrier.at[wg * stages + slot])
 
     release = empty is not None  # the caller passes it only with one_warp and sync
 
-    def fetch(i, slot, first=False, subset=None, synced=False):
-        """The copies of step i (those in subset, default all) into slot; synced: the caller
-        has just passed a warpgroup barrier after its reads of them."""
-        if sync and not first and not release and not synced:
+    def fetch(i, slot, first=False):
+        if sync and not first and not release:
             _wg_sync(False)
-        own = tuple(range(len(specs))) if subset is None else tuple(subset)
         if one_warp:
-            def issue(which):
+            def issue(which=None):
                 if release and not first:  # every warp has read the slot
                     plgpu.barrier_wait(empty.at[wg * stages + slot])
                 copies(i, slot, which)
             # warp semantics: the issuing warp's 32 threads arrive for all 128
             who = lax.rem(wg, 4) if issuer is None else issuer
-            if spread:  # copy own[j] from warp (who + j) % 4
+            if spread:  # copy j from warp (who + j) % 4
                 def per_warp(w):
-                    for k in range(min(4, len(own))):
-                        pl.when(w == lax.rem(who + k, 4))(functools.partial(issue, own[k::4]))
+                    for k in range(min(4, len(specs))):
+                        which = tuple(range(k, len(specs), 4))
+                        pl.when(w == lax.rem(who + k, 4))(functools.partial(issue, which))
                 plgpu.warp_map(per_warp)
             else:
-                plgpu.warp_map(lambda w: pl.when(w == who)(functools.partial(issue, own)))
+                plgpu.warp_map(lambda w: pl.when(w == who)(issue))
         else:
-            copies(i, slot, own)
+            copies(i, slot)
 
     for k in range(stages):
         pl.when(k < nsteps)(functools.partial(fetch, k, k, True))
@@ -1743,22 +1665,9 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     def body(i, carry):
         slot = lax.rem(i, stages)
         if no_copies:  # the prologue's copies, then none: compute on the filled slots
-            def wait_prologue():
-                plgpu.barrier_wait(barrier.at[wg * stages + slot])
-                if split:
-                    plgpu.barrier_wait(late_barrier.at[wg * stages + slot])
-            pl.when(i < stages)(wait_prologue)
+            pl.when(i < stages)(lambda: plgpu.barrier_wait(barrier.at[wg * stages + slot]))
             return step((i,), *[buf.at[slot] for buf in bufs], carry)
         plgpu.barrier_wait(barrier.at[wg * stages + slot])
-        if split:
-            early, late = split
-            hooks = _Refill(
-                early=lambda: pl.when(i + stages < nsteps)(
-                    lambda: fetch(i + stages, slot, subset=early, synced=True)),
-                wait_late=lambda: plgpu.barrier_wait(late_barrier.at[wg * stages + slot]))
-            carry = step((i,), *[buf.at[slot] for buf in bufs], carry, hooks=hooks)
-            pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot, subset=late))
-            return carry
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
         if release:
             plgpu.barrier_arrive(empty.at[wg * stages + slot])
@@ -1858,7 +1767,9 @@ def _make_kernel(
     vw_groups = tuple((D // 4) * w // G for w in range(4))  # (fvw) warp w's channel group
     # pack_planes: score tile t holds planes 2t (columns 0-3) and 2t + 1 (columns 4-7)
     pk = pack and not wsm and not alt_layout
-    mask_b = pk and tuning.mask_halves and not interpret
+    # pack_zeros: B's padding columns zero (q not repeated; pzv: P stored per plane)
+    pz = pk and tuning.pack_zeros
+    pzv = pz and not fvw and not tuning.p_direct and not tuning.p_concat
     tiles = planes // 2 if pk else planes
     # lazy_rescale in the shared softmax (natively; the vsub and exact value paths, whose B
     # bounds take the slack): the running max is the warpgroup's, so every warp takes the
@@ -1887,12 +1798,6 @@ def _make_kernel(
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
-    # early_refill: `_pipeline`'s split. The early part is what a step reads before its
-    # cross-warp max: the keys, and the value vectors where the softmax takes log2 s_t (lgmax)
-    early = (0, 1, 2, 4, 5) if lgmax else (0, 1, 2)
-    split = ((early, tuple(j for j in range(6) if j not in early))
-             if (tuning.early_refill and one_warp and no_auto and not release and mmv
-                 and not wsm and TS == SUB and not tuning.skip and not alt_layout) else None)
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -2159,8 +2064,12 @@ def _make_kernel(
                                 bq = (q * v["kscale"](g)[...][:, None]).astype(f16)
                                 x = jnp.dot(a[16 * w:16 * (w + 1)], bq, preferred_element_type=f32)
                                 xs.append(x * _field_sub_weight(key_bits, p % Pk))
-                            x = _halves(*xs, interpret) if pk else xs[0]
                             bias = jnp.dot(v["kmin"](g)[...].astype(f32), q.astype(f32))
+                            if pz:  # both planes' products in columns 0-3
+                                x = xs[0] + _swap_halves(xs[1], interpret)
+                                bias = bias + _swap_halves(bias, interpret)
+                            else:
+                                x = _halves(*xs, interpret) if pk else xs[0]
                             blocks.append(x + bias[None])
                         out.append(jnp.concatenate(blocks, axis=0))
                     return out
@@ -2182,16 +2091,14 @@ def _make_kernel(
 
                 uniq = list(dict.fromkeys(key))
                 bias = {}
-                if pk and tuning.half_k_bias and len(uniq) == 1:  # one group per warp
-                    zq = _mma(zero, _rows_split(vec("kmin", uniq[0])), _rhs_split(q), interpret)
-                    bias[uniq[0]] = _split_sum(zq)
-                    uniq = []
                 for i in range(0, len(uniq), 2):
                     pair = uniq[i:i + 2]  # the last one alone: rows 8..15 left undefined
                     a = _rows_of(*(vec("kmin", k) for k in pair))
                     c = _mma(zero, a, q, interpret)
                     for h, k in enumerate(pair):
                         bias[k] = _row_half(c, h)
+                        if pz:  # q in columns 0-3 only: the heads' bias into 4-7 too
+                            bias[k] = bias[k] + _swap_halves(bias[k], interpret)
                 if pk:  # planes 2t, 2t + 1 (one key group) into one tile
                     out = []
                     for t in range(tiles):
@@ -2201,19 +2108,15 @@ def _make_kernel(
                             codes[r] = widen_k0(v["kcodes"](r, 0))
                         if k not in bqs:  # q (in both halves) * s_g
                             bqs[k] = _scale_rhs(q, vec("kscale", k))
-                        b0 = b1 = bqs[k]
-                        if mask_b:  # each plane's unused half of B zeroed
-                            if (k, "lo") not in bqs:
-                                bqs[k, "lo"], bqs[k, "hi"] = (_mask_rhs(bqs[k], False),
-                                                              _mask_rhs(bqs[k], True))
-                            b0, b1 = bqs[k, "lo"], bqs[k, "hi"]
-                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), b0, interpret)
-                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), b1, interpret)
+                        x0 = _mma(zero, _field_sub(codes[r], key_bits, p0 % Pk), bqs[k],
+                                  interpret)
+                        x1 = _mma(zero, _field_sub(codes[r], key_bits, p1 % Pk), bqs[k],
+                                  interpret)
                         # columns 0-3 of the even plane's, 4-7 of the odd's, each with its
                         # field's weight
                         wt = _halves_const(_field_sub_weight(key_bits, p0 % Pk),
                                            _field_sub_weight(key_bits, p1 % Pk), NP, interpret)
-                        x = _halves(x0, x1, interpret)
+                        x = x0 + _swap_halves(x1, interpret) if pz else _halves(x0, x1, interpret)
                         out.append(x * lax.broadcast_in_dim(wt, (PLANE, NP), [1]) + bias[k])
                     return out
                 out = []
@@ -2274,21 +2177,20 @@ def _make_kernel(
                     return [a[...] for a in accs]
                 return pl.run_scoped(f, *[plgpu.ACC((PLANE, NP), jnp.float32)] * planes)
 
-            def step(idx, *refs, hooks=None):
+            def step(idx, *refs):
                 *refs, carry = refs
                 if tuning.skip == "compute":  # ablation: the TMA pipeline alone
                     return carry
                 (i,) = idx
                 if TS == SUB:
-                    return sub_step(refs, start + i * TS, 0, carry, hooks)
+                    return sub_step(refs, start + i * TS, 0, carry)
                 # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
                 # size at one sub-step's.
                 return lax.fori_loop(
                     0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c),
                     carry)
 
-            def sub_step(refs, tok0, u, carry, hooks=None):
-                """hooks (early_refill): `_pipeline`'s `_Refill` of the step's slot."""
+            def sub_step(refs, tok0, u, carry):
                 v = views(refs, u)
                 m_run, l_t, accs, zaccs = carry
                 st = scores(v)
@@ -2315,8 +2217,6 @@ def _make_kernel(
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
                 mx = loop_max(tmax)
-                if hooks is not None:  # every warp has read the early buffers (the max's
-                    hooks.early()  # barrier): the next refill of them goes out now
                 if pk:  # a head's max over both halves (its even and odd planes)
                     mx = jnp.maximum(mx, _swap_halves(mx, interpret))
                 if lazy_sh:  # rescaled only when the max grew by more than the slack
@@ -2366,7 +2266,7 @@ def _make_kernel(
                         p_s.at[p].T[...] = x16.astype(p_s.dtype)
                 if vsub:
                     for p in range(tiles):
-                        _store_p(bs[p].astype(f16), p)
+                        _store_tile(bs[p].astype(f16), p)
                 # P^T tiles go to SMEM as wgmma's B operand (K = 64 tokens, N = heads): stored in
                 # the accumulator's own layout (p_direct, N >= 16), or transposed to [N, tokens]
                 # rows, one plane at a time or all planes in one store (p_concat); fv: P * s_t,
@@ -2381,7 +2281,7 @@ def _make_kernel(
                 else:
                     if not (fv or f8v):
                         for p in range(tiles):
-                            _store_p(ps[p].astype(f16), p)
+                            _store_tile(ps[p].astype(f16), p)
                     pb = lambda p: p_s.at[p].T
                 if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
                     plgpu.commit_smem()  # (they need only the warpgroup barrier below)
@@ -2391,15 +2291,14 @@ def _make_kernel(
                 cache = {}
                 if mmv:  # P (stored by every warp) as each warp's B operand, in registers
                     _wg_sync(interpret)
-                    if hooks is not None:  # the value codes (and fvw: their vectors)
-                        hooks.wait_late()
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
                                             wide=tuning.vec64, align4=True)
                     ng = max(vw_groups) + 1  # fvw: value groups per token
                     for p in range(planes):
-                        if pk:  # tile p // 2's P: B of both its planes, whose products go to
-                            # the even (accs[:mtiles]) and odd (accs[mtiles:]) sets
+                        if pk and not pzv:  # tile p // 2's P: B of both its planes, whose
+                            # products go to the even (accs[:mtiles]) and odd (accs[mtiles:])
+                            # sets
                             if p % 2 == 0:
                                 t = p // 2
                                 b = _mma_rhs(pb(t), interpret)
@@ -2409,10 +2308,9 @@ def _make_kernel(
                                                        v["vmin"](p + 1)(0, ng))
                                     zaccs = (zaccs[0] + c * vw_const(t, True, (PLANE, NP)),)
                                     b = _scale_rhs(b, vec(v["vscale2"](p), n_half=PLANE))
-                            bp = _mask_rhs(b, p % 2 == 1) if mask_b else b
                             for mt in range(mtiles):
                                 i = mt + mtiles * (p % 2)
-                                new[i] = _mma(new[i], vt(v, p, mt, cache), bp, interpret)
+                                new[i] = _mma(new[i], vt(v, p, mt, cache), b, interpret)
                             continue
                         b = _mma_rhs(pb(p), interpret)
                         if fvw:  # sum_t z_t P_t of the warp's group; B = P * s_t
@@ -2506,6 +2404,16 @@ def _make_kernel(
                                                rhs[r * Pv + j], interpret)
                 return m_new, l_t, tuple(accs), (zacc,)
 
+            def _store_tile(x16, t):
+                """Score tile t's P (pk: planes 2t and 2t + 1) as the value product's B: pzv,
+                one [N, 64] tile per plane (`_store_p_split`), else p_s[t]."""
+                if not pzv:
+                    return _store_p(x16, t)
+                if w8:
+                    return _store_p_perm(x16, p_s.at[pl.ds(2 * t, 2)], split=True)
+                p_s[2 * t, 0:4, :] = x16[:, 0:4].T
+                p_s[2 * t + 1, 0:4, :] = x16[:, 4:8].T
+
             def _store_p(x16, idx):
                 """A (64 tokens, N) fp16 tile as the B operand p_s[idx] ([N, 64], tokens in the
                 widen8 order when w8)."""
@@ -2538,7 +2446,14 @@ def _make_kernel(
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             # pk: the value products of the even planes, then of the odd planes
-            a0 = tuple(zero() for _ in range(D // 16 if wsm else mtiles * (2 if pk else 1)))
+            a0 = tuple(zero() for _ in range(D // 16 if wsm else
+                                             mtiles * (2 if pk and not pzv else 1)))
+            if pzv:  # the planes' B tiles: rows 4-7 stay zero (the stores write rows 0-3)
+                if interpret:
+                    p_s[...] = jnp.zeros(p_s.shape, p_s.dtype)
+                else:
+                    _zero_smem(p_s, _swz(f16, PLANE))
+                    _wg_sync(interpret)
             z0 = (zero(),) if fv or f8v or fvw else ()  # fv, f8v, fvw: sum_t P * z_t
             # Block indices are offset by this split's first step (a traced value).
             if tuning.skip == "loads":  # ablation: two blocks over and over (L2-resident)
@@ -2558,8 +2473,7 @@ def _make_kernel(
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=who, spread=tuning.spread_copies,
-                    no_copies=tuning.skip == "copies", split=split,
-                    late_barrier=sc["late_bar"] if split else None)
+                    no_copies=tuning.skip == "copies")
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
@@ -2573,8 +2487,9 @@ def _make_kernel(
             l = red(l_t, "add")
             if pk:  # columns 0-3: heads over the even planes; 4-7: over the odd ones
                 l = l + _swap_halves(l, interpret)
-                accs = [accs[mt] + _swap_halves(accs[mtiles + mt], interpret)
-                        for mt in range(mtiles)]
+                if not pzv:  # (pzv: every plane's value product in columns 0-3 already)
+                    accs = [accs[mt] + _swap_halves(accs[mtiles + mt], interpret)
+                            for mt in range(mtiles)]
             ok = l > 0
             inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
             ib = lax.broadcast_in_dim(inv, (PLANE, NP), [1])
@@ -2642,11 +2557,7 @@ def _make_kernel(
     if own_pipe:  # the pipeline's buffers and barriers, per warpgroup
         for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
-        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=len(split[0]) if split else n_in,
-                                            num_barriers=W * stages)
-        if split:
-            scratch["late_bar"] = plgpu.Barrier(num_arrivals=len(split[1]),
-                                                num_barriers=W * stages)
+        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
         if release:
             scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
@@ -2791,8 +2702,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
     pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
-    if pack:  # q's heads also in columns 4-7 (they are zero padding): B for both planes
-        qf = qf + jnp.roll(qf, 4, axis=3)
+    if pack and not tuning.pack_zeros:  # q's heads also in columns 4-7 (zero padding): B
+        qf = qf + jnp.roll(qf, 4, axis=3)  # for both planes
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             jnp.asarray(num_tokens, jnp.int32).reshape(B)])
     if not alt_layout:

@@ -336,6 +336,19 @@ FLAG_CASES = [
     (2, 6, 2, 128, 1024, 2, 2, 64, jnp.bfloat16, (1000, 513), 0,
      TC(256, 2, 2, fold_k=True, wg_per_block=3, fold_v_warp=True, vec64=True,
         pack_planes=True)),
+    # packed planes with zero padding (pack_zeros): G = 128 with three warpgroups and a ragged
+    # row (keys and values), 4-bit with three heads, and (native only, cross-lowered here) G =
+    # 32 with the value scale folded per warp (the keys' padding only)
+    (2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, warp_softmax=False, pack_planes=True,
+        pack_zeros=True)),
+    (2, 6, 2, 128, 1024, 4, 4, 128, jnp.bfloat16, (1000, 513), 0,
+     TC(256, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
+    (2, 4, 1, 128, 1024, 2, 2, 32, jnp.float16, (1024, 300), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True, pack_planes=True, pack_zeros=True)),
+    (1, 4, 2, 64, 512, 2, 4, 64, jnp.float16, (450,), 0,
+     TC(256, 2, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
     # the conditional rescale in the shared softmax (native only: cross-lowered here), with and
     # without packed planes
     (2, 8, 2, 128, 1024, 2, 2, 128, jnp.bfloat16, (1000, 0), 2,
@@ -350,7 +363,7 @@ FLAG_IDS = [f"K{c[5]}V{c[6]}-G{c[7]}-D{c[3]}-T{c[4]}-fold{int(c[-1].fold_k)}-rel
             f"-vsub{int(c[-1].subnormal_values)}-wsm{int(c[-1].warp_softmax)}"
             f"-lazy{int(c[-1].lazy_rescale)}-cw{int(c[-1].copy_warp)}{int(c[-1].release_slots)}"
             f"-sp{int(c[-1].spread_copies)}{int(c[-1].vec64)}-fvw{int(c[-1].fold_v_warp)}"
-            f"-pk{int(c[-1].pack_planes)}"
+            f"-pk{int(c[-1].pack_planes)}{int(c[-1].pack_zeros)}"
             for c in FLAG_CASES]
 
 
@@ -684,6 +697,12 @@ def test_choose_tuning_warpgroups_per_block():
     assert ct(8, 8, 131072, group_size=32).pack_planes  # with fold_v_warp (run 109)
     assert ct(8, 8, 131072, group_size=32).fold_v_warp
     assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
+    # their padding zero where both products take it, G = D (run 115: at the power cap)
+    assert ct(8, 8, 131072, group_size=128).pack_zeros
+    assert ct(1, 8, 8192, group_size=64, head_dim=64).pack_zeros
+    assert not ct(8, 8, 131072, group_size=32).pack_zeros
+    assert not ct(8, 8, 131072, group_size=64).pack_zeros
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_zeros
     # the value scale folded per warp with 64-bit vector loads at 2-bit G < D (runs 97-98),
     # at every (B, T); not at 4 bits (mixed), not at G = D (fold_v folds it there)
     for B, T in ((8, 131072), (1, 8192), (32, 32768)):
@@ -930,6 +949,22 @@ GPU_CASES = [  # larger shapes, native production variant
         pack_planes=True)),
     (2, 16, 16, 64, 4096, 2, 2, 32, jnp.bfloat16,
      TC(256, 3, 2, fold_k=True, warp_softmax=False, fold_v_warp=True, pack_planes=True)),
+    # packed planes with zero padding (`pack_zeros`, runs 115-116): the anchor's 2-bit G = 128
+    # and G = 32 launches, G = 64 with three heads, 4-bit G = 128 with one warpgroup and three
+    # heads, mixed bits at D = 64 with one head
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True,
+        pack_zeros=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True, pack_planes=True, pack_zeros=True)),
+    (2, 24, 8, 128, 8192, 2, 2, 64, jnp.float16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=3, fold_v_warp=True, vec64=True,
+        pack_planes=True, pack_zeros=True)),
+    (2, 24, 8, 128, 8192, 4, 4, 128, jnp.bfloat16,
+     TC(512, 4, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
+    (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16,
+     TC(256, 3, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
 ]
 
 
