@@ -323,9 +323,9 @@ class TuningConfig:
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
     fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay);
-    the launch parameters (num_splits, wg_per_block) are a generic starting point: `choose_tuning` sizes
-    them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8; docs/performance.md runs
-    40-42, 47).
+    the launch parameters (num_splits, wg_per_block) are a generic starting point:
+    `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8;
+    docs/performance.md runs 40-42, 47).
     """
 
     block_tokens: int = 256
