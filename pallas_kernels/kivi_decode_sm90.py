@@ -313,10 +313,11 @@ class TuningConfig:
       so both planes' key products land in columns 0-3, the odd plane's moved to 4-7 by one
       shuffle per register (`_swap_halves`) and added (in place of `_halves`' select), as is
       the key bias; and a score tile's P is stored as two planes' B tiles (columns 0-3 of P^T
-      to plane 2t's rows 0-3, columns 4-7 to plane 2t + 1's, `_store_p_split`; their rows 4-7
-      zeroed once per split), so every plane's value product runs against its own B in one
-      accumulator set (half the accumulators, no swap at the end) at twice the B loads (not
-      with fold_v_warp, whose scaled B and minimums' product take the packed tile). The same
+      to plane 2t's rows 0-3, columns 4-7 to plane 2t + 1's, `_store_p_perm` with split; their
+      rows 4-7 zeroed once per split, `_zero_smem`), so every plane's value product runs
+      against its own B in one accumulator set (half the accumulators, no swap at the end) at
+      twice the B loads (not with fold_v_warp, whose scaled B and minimums' product take the
+      packed tile). The same
       numbers; what changes is power: the kernel runs at the H200's 700 W cap, and the
       tensor cores spend less energy multiplying zeros than live data (run 114: zeroing those
       halves by selects raised the SM clock at the cap from 1800 to 1920 MHz).
@@ -2406,7 +2407,8 @@ def _make_kernel(
 
             def _store_tile(x16, t):
                 """Score tile t's P (pk: planes 2t and 2t + 1) as the value product's B: pzv,
-                one [N, 64] tile per plane (`_store_p_split`), else p_s[t]."""
+                one [N, 64] tile per plane (columns 0-3 into plane 2t's rows 0-3, 4-7 into
+                plane 2t + 1's), else p_s[t]."""
                 if not pzv:
                     return _store_p(x16, t)
                 if w8:
@@ -2445,7 +2447,8 @@ def _make_kernel(
             m0 = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), _WG.reduce(0))
             l0 = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
             zero = lambda: plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
-            # pk: the value products of the even planes, then of the odd planes
+            # pk: the value products of the even planes, then of the odd planes (pzv: one set,
+            # every plane's product in columns 0-3)
             a0 = tuple(zero() for _ in range(D // 16 if wsm else
                                              mtiles * (2 if pk and not pzv else 1)))
             if pzv:  # the planes' B tiles: rows 4-7 stay zero (the stores write rows 0-3)
