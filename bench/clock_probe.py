@@ -82,17 +82,10 @@ def main():
           "| samples |")
     print("|---|---|---|---|---|---|---|")
     if a.cudnn:
-        nbytes = 2 * B * T * Hkv * D * 2
-        L = da.layers_for(nbytes)
-        key = jax.random.key(3)
-        ks = [jax.random.normal(jax.random.fold_in(key, i), (B, T, Hkv, D), jnp.float16)
-              for i in range(L)]
-        vs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (B, T, Hkv, D), jnp.float16)
-              for i in range(L)]
-        q = jax.random.normal(jax.random.key(4), (B, 1, Hq, D), jnp.float16)
-        t, rows = sampled(da.fp16_fn(L, "cudnn"), (q, ks, vs), a.seconds)
+        L, _, args = da.fp16_inputs(B, Hq, Hkv, D, T)
+        t, rows = sampled(da.fp16_fn(L, "cudnn"), args, a.seconds)
         report("cuDNN fp16", t, da.ROUNDS * L, rows)
-        del ks, vs
+        del args
     for kbg in a.kbg.split(","):
         kb, G = map(int, kbg.split(":"))
         L = da.layers_for(da.quant_bytes(B, Hkv, D, T, kb, kb, G))

@@ -234,7 +234,8 @@ def error_cases(bits, ts, B=2, Hq=32, Hkv=8, D=128, G=128):
                 yield kb, T, std, q, cache, nt, kw, tun
 
 
-def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
+def fp16_inputs(B, Hq, Hkv, D, T):
+    """(L, bytes per layer, (q, ks, vs)): the fp16 baselines' query and L layers of K, V."""
     nbytes = 2 * B * T * Hkv * D * 2
     L = layers_for(nbytes)
     key = jax.random.key(3)
@@ -243,8 +244,13 @@ def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
     vs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (B, T, Hkv, D), jnp.float16)
           for i in range(L)]
     q = jax.random.normal(jax.random.key(4), (B, 1, Hq, D), jnp.float16)
-    t, _ = time_layers(fp16_fn(L, impl), (q, ks, vs), reps=reps)
-    del ks, vs
+    return L, nbytes, (q, ks, vs)
+
+
+def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
+    L, nbytes, args = fp16_inputs(B, Hq, Hkv, D, T)
+    t, _ = time_layers(fp16_fn(L, impl), args, reps=reps)
+    del args
     return dict(kind=impl, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, **per_call(t, L, nbytes))
 
 
