@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Its variants (early_refill, half_k_bias, mask_halves) are in commit a89a350 only (removed after
+# it): run it on that tree, `git checkout a89a350 -- pallas_kernels/kivi_decode_sm90.py`.
 # Run 112 (stop 25; one device call): 2-bit G=128 at the anchor sits at 5.0x of cuDNN with its
 # compute alone (0.178 ms) and its load pipeline alone (0.164) within 8% of each other (run
 # 109): two candidates. early_refill: a step's key copies refilled as soon as its cross-warp

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Its variants (early_refill, half_k_bias, mask_halves) are in commit a89a350 only (removed after
+# it): run it on that tree, `git checkout a89a350 -- pallas_kernels/kivi_decode_sm90.py`.
 # Run 114 (stop 25; one device call): run 113 found the full kernel at the H200's 700 W power
 # cap (SM clock median 1800 MHz against 1980 for its floors). mask_halves: the unused half of
 # every packed mma's B zeroed (the tensor cores multiply zeros there), at 64-96 more selects per
