@@ -174,7 +174,9 @@ class TuningConfig:
       without copies or barrier waits in the loop (the compute floor without the copies'
       issue), "groups" (fold_k on mma.sync) scales every plane of a step by its first
       plane's per-warp key vectors (one group per warp and step: at G >= 64 what the kernel
-      does anyway, at G = 32 one instead of two; wrong numbers there, the cost).
+      does anyway, at G = 32 one instead of two; wrong numbers there, the cost), "bias"
+      (fold_k on mma.sync, native) drops the key bias q . z_g (its vector loads and mma;
+      wrong numbers: its cost).
     fold_k: fold the key scale into q per token group, with the key product on mma.sync
       (`_folds_keys_mma`, any G; `choose_tuning` turns it on there; ignored with the keys on
       wgmma): code fields as fp16 subnormals, B = fp16(q * s_g) per register and warp (each
@@ -321,6 +323,16 @@ class TuningConfig:
       numbers; what changes is power: the kernel runs at the H200's 700 W cap, and the
       tensor cores spend less energy multiplying zeros than live data (run 114: zeroing those
       halves by selects raised the SM clock at the cap from 1800 to 1920 MHz).
+    dense_bias: with fold_k on mma.sync, the key bias q . z_g of 16 key groups at once
+      (`_dense_bias`): a 16-group block of the key minimums is copied (one TMA, its own
+      barrier, single-buffered: refilled once every warp has read it) every 16 G / 256 steps,
+      each warp takes all 16 groups in the rows of one mma.sync per 16 channels
+      (`_dense_rows`: 8 per block at D = 128, instead of 8 per step and warp of which only
+      rows 0-7 of one or two groups are used), stores the (16, N) products to its own SMEM
+      rows (`_store_bias_rows`) and reads the row of its group at every step (`_bias_rows`:
+      one 64-bit load). The key minimums then leave the step's copies. The same numbers
+      (the same products in the same order). Native only, one sub-step per copy step, at
+      least 16 groups in the cache.
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
     fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay);
@@ -358,6 +370,7 @@ class TuningConfig:
     fold_v_warp: bool = False
     pack_planes: bool = False
     pack_zeros: bool = False
+    dense_bias: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -378,9 +391,9 @@ class TuningConfig:
         if self.mma_sync not in ("", "keys", "values", "both"):
             raise ValueError(
                 f"mma_sync must be '', 'keys', 'values' or 'both', got {self.mma_sync!r}")
-        if self.skip not in ("", "compute", "values", "loads", "copies", "groups"):
-            raise ValueError(f"skip must be '', 'compute', 'values', 'loads', 'copies' or "
-                             f"'groups', got {self.skip!r}")
+        if self.skip not in ("", "compute", "values", "loads", "copies", "groups", "bias"):
+            raise ValueError(f"skip must be '', 'compute', 'values', 'loads', 'copies', "
+                             f"'groups' or 'bias', got {self.skip!r}")
 
 
 def _uses_widen8(tuning: TuningConfig, interpret) -> bool:
@@ -504,6 +517,27 @@ def _key_chunks(tuning: TuningConfig, head_dim: int, group_size: int) -> int:
     return tuning.k_chunks
 
 
+_BIAS_ROWS = 16  # key groups per dense_bias block: mma.sync's M
+
+
+def _dense_bias(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
+                tokens: int | None = None) -> bool:
+    """Whether the key bias q . z_g comes from 16-group blocks (`TuningConfig.dense_bias`): the
+    folded key product on mma.sync (whose bias it is), natively in the widen8 column order
+    (`_dense_rows` loads the minimums in q's `_PERM16` order), in the kernel's own pipeline
+    without auto barriers (the block's copy is one warp's; the value product's warpgroup
+    barrier orders the block's reads before its refill), the shared softmax, one compute
+    sub-step per copy step (a block spans whole steps), and (where `tokens` is given) at
+    least 16 key groups in the cache (a block never runs past its end)."""
+    return bool(tuning.dense_bias and _folds_keys_mma(tuning, group_size, head_dim)
+                and _uses_widen8(tuning, interpret) and tuning.skip != "bias"
+                and _no_auto_barriers(tuning, group_size, head_dim, interpret)
+                and not _warp_softmax(tuning, group_size, head_dim, interpret)
+                and tuning.block_tokens <= tuning.sub_tokens
+                and _BIAS_ROWS * group_size % tuning.block_tokens == 0
+                and (tokens is None or tokens // group_size >= _BIAS_ROWS))
+
+
 def _min_block(key_bits: int, value_bits: int) -> int:
     return PLANE * max(8 // key_bits, 8 // value_bits)
 
@@ -522,6 +556,8 @@ def smem_bytes(tuning: TuningConfig, *, key_bits: int, value_bits: int, group_si
     red = _red_scratch(padded_heads) * 4  # per-warpgroup reduction scratch (f32)
     p_bytes = 1 if _fp8_values(tuning, G, D) else 2  # P^T (B of the value product)
     per_wg = tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3 + red
+    if _dense_bias(tuning, G, D, False):  # the minimums' block and the warps' bias rows
+        per_wg += _BIAS_ROWS * (2 * D + 4 * 4 * padded_heads) - tuning.stages * 2 * (TS // G * D)
     return W * per_wg + 4096
 
 
@@ -1589,6 +1625,93 @@ def _row_half(x, h: int):
     return pick(x)
 
 
+def _dense_rows(ref):
+    """The (16, X) fp16 SMEM rows `ref` (dense_bias: 16 groups' minimum vectors) as a (64, X)
+    A operand in the WGMMA layout whose rows 16 w + r hold ref[r] in every warp w, in the
+    `_PERM16` column order: lane (g, t) loads rows g and g + 8 by one 64-bit load per 16
+    columns each (`_pairs64`). Not interpretable."""
+    X = ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, X), ref.dtype, layout=_WG))
+    def load(_, r):
+        lane, _w = _lane_warp()
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        col_lay = mgpu_fa.WGMMA_COL_LAYOUT
+        halves = []
+        for h in range(2):
+            row = ix(arith.addi(arith.shrui(lane, _i32(2)), _i32(8 * h)))
+            regs = []
+            for j in range(X // 16):
+                regs.extend(_pairs64(r, [row, ix(arith.addi(k4, _i32(16 * j)))]))
+            halves.append(_origins(mgpu_fa.FragmentedArray(
+                _registers=np.array(regs, dtype=object).reshape(col_lay.registers_shape((X,))),
+                _layout=col_lay, _is_signed=None)))
+        lay = mgpu_fa.WGMMA_LAYOUT
+        out = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
+        for i in np.ndindex(out.shape):
+            r0, c0 = lay.tiling.untile_indices(i)
+            out[i] = halves[r0 // 8 % 2][(c0,)]
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=lay, _is_signed=None)
+
+    return load(ref)
+
+
+def _store_bias_rows(x, ref):
+    """dense_bias: the 16 rows of each warp of x (64, N) f32, WGMMA layout (a `_dense_rows`
+    product: the same in every warp) to that warp's columns of ref (16, 4, N) f32: lane (g, t)
+    stores rows g and g + 8 of its columns 2t, 2t + 1 of every 8. The caller orders the
+    stores before the warp's loads (`mgpu_utils.warp_barrier`). Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()))
+    def store(_, xa, r):
+        lane, warp = _lane_warp()
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        g, t2 = arith.shrui(lane, _i32(2)), arith.muli(arith.andi(lane, _i32(3)), _i32(2))
+        for i, reg in np.ndenumerate(xa.registers):
+            r0, c0 = xa.layout.tiling.untile_indices(i)
+            vector.store(reg, r, [ix(arith.addi(g, _i32(r0 % 16))), ix(warp),
+                                  ix(arith.addi(t2, _i32(c0)))])
+
+    store(x, ref)
+
+
+def _bias_rows(ref, rows: tuple[int, ...], dup_half: bool):
+    """dense_bias: the key bias of a (64, N) score tile, f32 in the WGMMA layout: warp w's rows
+    all hold row rows[w] of its columns of ref (n, 4, N) (`_store_bias_rows`), one 64-bit load
+    per 8 columns. dup_half (pack_zeros: the bias mma's B had q in columns 0-3 only): columns
+    4-7 take the heads of 0-3, where the odd plane of a packed tile puts them. Not
+    interpretable."""
+    N = ref.shape[-1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((PLANE, N), jnp.float32, layout=_WG))
+    def load(_, r):
+        lane, warp = _lane_warp()
+        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
+        row = _i32(rows[0])
+        for w in range(1, 4):
+            if rows[w] != rows[0]:
+                row = arith.select(arith.cmpi(arith.CmpIPredicate.eq, warp, _i32(w)),
+                                   _i32(rows[w]), row)
+        t = arith.andi(lane, _i32(1 if dup_half else 3))
+        t2 = arith.muli(t, _i32(2))
+        lay = mgpu_fa.WGMMA_LAYOUT
+        f2 = ir.VectorType.get((2,), ir.F32Type.get())
+        loaded, out = {}, np.empty(lay.registers_shape((PLANE, N)), dtype=object)
+        for i in np.ndindex(out.shape):
+            _r0, c0 = lay.tiling.untile_indices(i)
+            if c0 not in loaded:
+                loaded[c0] = vector.load(f2, r, [ix(row), ix(warp), ix(arith.addi(t2, _i32(c0)))])
+                out[i] = loaded[c0]
+            else:
+                out[i] = _fresh(loaded[c0])
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=lay, _is_signed=None)
+
+    return load(ref)
+
+
 def _mma_rhs(ref, interpret):
     """The (K, N) SMEM view `ref` loaded as mma.sync's B operand (replicated over warps)."""
     if interpret:
@@ -1606,6 +1729,17 @@ def _wg_sync(interpret):
     @plgpu.inline_mgpu()
     def sync(_):
         mgpu_utils.warpgroup_barrier()
+
+    sync()
+
+
+def _warp_sync():
+    """A barrier over this warp's 32 threads: orders one lane's SMEM stores before another
+    lane's loads where only the warp itself reads them (dense_bias's bias rows)."""
+
+    @plgpu.inline_mgpu()
+    def sync(_):
+        mgpu_utils.warp_barrier()
 
     sync()
 
@@ -1799,6 +1933,10 @@ def _make_kernel(
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
+    # dense_bias: the key minimums leave the pipeline for 16-group blocks of their own
+    db = _dense_bias(tuning, G, D, interpret, Tq) and not alt_layout and not stage_smem
+    n_g = TS // G  # key groups per step
+    bias_steps = _BIAS_ROWS * G // TS if db else 0  # steps per minimums block
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
     kc_rows, g_rows, v_cols = TS // Pk, TS // G, TS // Pv
@@ -1822,6 +1960,7 @@ def _make_kernel(
         return tuple(blk(i) if d == axis else 0 for d in range(ndim))
 
     n_in = 4 if alt_layout else 6
+    piped = [j for j in range(n_in) if not (db and j == 2)]  # the pipeline's inputs
 
     def kivi_decode_sm90(meta_g, q_g, *refs):
         gmem = refs[:n_in]
@@ -1861,20 +2000,29 @@ def _make_kernel(
                 lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
                 jnp.minimum(steps_per_split, total_steps - first))
 
+            # one-warpgroup blocks: the issuing warp from the block index, so that the
+            # blocks an SM holds tend to issue from different schedulers (`_pipeline`)
+            who = None if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
+            copy_warp = lax.rem(wg, 4) if who is None else who
+            if db:  # the minimums block, the warps' bias rows and the block's barrier
+                kzc_s, kb_s, kz_bar = own("kzc_s"), own("kb_s"), own("kz_bar")
+
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
             if mmk:  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
-            def views(refs, u):
+            def views(refs, u, kb=None):
                 """Accessors of sub-step u of one step's SMEM buffers (documented or alt
                 layout). Scale and minimum accessors take a group g (one vector) or (g, n): the
-                rows of n groups."""
+                rows of n groups. kb (dense_bias): the step's first row of the bias rows."""
                 grows = lambda g, n: g if n == 0 else pl.ds(g, n)
                 kr, kg, vcol = u * (SUB // Pk), u * (SUB // G), u * (SUB // Pv)
                 vchunk = lambda p: (u * SUB + p * PLANE) // VCH  # value scales: [D/G, TS/VCH, VCH]
                 voff = lambda p: (u * SUB + p * PLANE) % VCH
                 if not alt_layout:
+                    if db:  # the minimums come as bias rows (`kbias`), not per step
+                        refs = (*refs[:2], None, *refs[2:])
                     kc_s, ks_s, kz_s, vc_s, vs_s, vz_s = refs
                     return dict(
                         vc=vc_s,
@@ -1882,6 +2030,8 @@ def _make_kernel(
                                                     pl.ds(c * DC, DC)],
                         kscale=lambda g, n=0: ks_s.at[grows(kg + g, n)],
                         kmin=lambda g, n=0: kz_s.at[grows(kg + g, n)],
+                        # dense_bias: the key bias of the groups gs (one per warp)
+                        kbias=lambda gs: _bias_rows(kb_s.at[pl.ds(kb, n_g)], gs, dup_half=pz),
                         vcodes=(lambda r, m: vc_s.at[vcol // PLANE + r, pl.ds(m * PLANE, PLANE)])
                         if vblock else
                         (lambda r, m: vc_s.at[pl.ds(m * PLANE, PLANE),
@@ -2092,6 +2242,12 @@ def _make_kernel(
 
                 uniq = list(dict.fromkeys(key))
                 bias = {}
+                if tuning.skip == "bias":  # ablation: no key bias (no kmin loads, no mma)
+                    bias = {k: zero for k in uniq}
+                    uniq = []
+                elif db:  # each warp's row of the block's products (`bias_step`)
+                    bias = {k: v["kbias"](k) for k in uniq}
+                    uniq = []
                 for i in range(0, len(uniq), 2):
                     pair = uniq[i:i + 2]  # the last one alone: rows 8..15 left undefined
                     a = _rows_of(*(vec("kmin", k) for k in pair))
@@ -2183,6 +2339,8 @@ def _make_kernel(
                 if tuning.skip == "compute":  # ablation: the TMA pipeline alone
                     return carry
                 (i,) = idx
+                if db:  # (one sub-step per step)
+                    return bias_step(i, refs, carry)
                 if TS == SUB:
                     return sub_step(refs, start + i * TS, 0, carry)
                 # Big copies, small compute steps: a loop (not unrolled) keeps registers and code
@@ -2191,8 +2349,42 @@ def _make_kernel(
                     0, TS // SUB, lambda u, c: sub_step(refs, start + i * TS + u * SUB, u, c),
                     carry)
 
-            def sub_step(refs, tok0, u, carry):
-                v = views(refs, u)
+            def bias_block(c):
+                """dense_bias: the first key group of minimums block c of this split, clamped
+                so that the block ends inside the cache (its steps' rows then start further
+                in: `bias_step`)."""
+                return jnp.minimum(first * n_g + _BIAS_ROWS * c, Tq // G - _BIAS_ROWS)
+
+            def fetch_bias(c):
+                """dense_bias: minimums block c into kzc_s (one TMA by the copy warp)."""
+                def issue():
+                    plgpu.copy_gmem_to_smem(srcs[2].at[pl.ds(bias_block(c), _BIAS_ROWS)],
+                                            kzc_s, kz_bar)
+                plgpu.warp_map(lambda w: pl.when(w == copy_warp)(issue))
+
+            def bias_step(i, refs, carry):
+                """dense_bias: step i, and at the first step of a minimums block, the bias of
+                all its 16 groups, one mma.sync per 16 channels (`_dense_rows`), stored to the
+                warp's rows of kb_s (only the warp reads them: a warp barrier; the previous
+                block's reads are ordered before by the last step's warpgroup barrier). The
+                next block is copied once every warp has read this one: after the step's
+                warpgroup barrier (mmv)."""
+                c, first_of = lax.div(i, bias_steps), lax.rem(i, bias_steps) == 0
+
+                def block_bias():
+                    plgpu.barrier_wait(kz_bar)
+                    zero = plgpu.layout_cast(jnp.zeros((PLANE, NP), jnp.float32), _WG)
+                    _store_bias_rows(_mma(zero, _dense_rows(kzc_s), qb[0], interpret), kb_s)
+                    _warp_sync()
+
+                pl.when(first_of)(block_bias)
+                carry = sub_step(refs, start + i * TS, 0, carry,
+                                 kb=(first + i) * n_g - bias_block(c))
+                pl.when(first_of & (i + bias_steps < nsteps))(lambda: fetch_bias(c + 1))
+                return carry
+
+            def sub_step(refs, tok0, u, carry, kb=None):
+                v = views(refs, u, kb)
                 m_run, l_t, accs, zaccs = carry
                 st = scores(v)
 
@@ -2467,12 +2659,12 @@ def _make_kernel(
                                      transforms=tf)
                      for shape, _, tf, axis in pipe_blocks]
             srcs = [x.at[layer, b, h] for x in gmem]
+            if db:  # the first minimums block (`bias_step` copies the others)
+                pl.when(nsteps > 0)(lambda: fetch_bias(0))
             if own_pipe:
-                # one-warpgroup blocks: the issuing warp from the block index, so that the
-                # blocks an SM holds tend to issue from different schedulers
-                who = None if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
                 m_run, l_t, accs, zaccs = _pipeline(
-                    step, specs, srcs, [sc[f"buf{j}"].at[wg] for j in range(n_in)],
+                    step, [specs[j] for j in piped], [srcs[j] for j in piped],
+                    [sc[f"buf{j}"].at[wg] for j in piped],
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=who, spread=tuning.spread_copies,
@@ -2558,11 +2750,18 @@ def _make_kernel(
         scratch["vd8_s"] = plgpu.SMEM(per_wg(PLANE, PLANE) if stage_smem else per_wg(8, 64),
                                       jnp.float8_e4m3fn, transforms=_swz(jnp.float8_e4m3fn, 64))
     if own_pipe:  # the pipeline's buffers and barriers, per warpgroup
-        for j, (shape, dtype, tf, _) in enumerate(pipe_blocks):
+        for j in piped:
+            shape, dtype, tf, _ = pipe_blocks[j]
             scratch[f"buf{j}"] = plgpu.SMEM((W, stages, *shape), dtype, transforms=tf)
-        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=n_in, num_barriers=W * stages)
+        scratch["pipe_bar"] = plgpu.Barrier(num_arrivals=len(piped), num_barriers=W * stages)
         if release:
             scratch["empty_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=W * stages)
+    if db:  # dense_bias: a minimums block, the bias rows of its 16 groups (per warp), the
+        # block's barrier
+        scratch["kzc_s"] = plgpu.SMEM(per_wg(_BIAS_ROWS, D), f16)
+        scratch["kb_s"] = plgpu.SMEM(per_wg(_BIAS_ROWS, 4, NP), jnp.float32)
+        scratch["kz_bar"] = (plgpu.Barrier(num_arrivals=1, num_barriers=W) if W > 1 else
+                             plgpu.Barrier(num_arrivals=1))
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(_red_scratch(NP)), jnp.float32)
     scratch_names = list(scratch)

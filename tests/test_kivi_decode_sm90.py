@@ -450,6 +450,54 @@ def test_native_only_paths_are_gated():
                            sm_scale=0.1, tuning=TC(**flags))
 
 
+def test_dense_bias_gating():
+    """dense_bias takes the key bias from 16-group blocks only natively on the folded mma.sync
+    key product in the widen8 order, one sub-step per copy step, whole blocks of steps and at
+    least 16 groups in the cache; elsewhere the flag is ignored (the per-step bias)."""
+    on = TC(fold_k=True, warp_softmax=False, dense_bias=True)
+    assert kd._dense_bias(on, 128, 128, False, 2048) and kd._dense_bias(on, 32, 128, False, 512)
+    assert kd._dense_bias(on, 64, 64, False)  # (tokens not given: any)
+    assert not kd._dense_bias(on, 128, 128, False, 2048 - 128)  # 15 groups
+    assert not kd._dense_bias(on, 128, 128, plgpu.InterpretGPUParams())
+    for flags in (dict(dense_bias=False), dict(fold_k=False), dict(skip="bias"),
+                  dict(mma_sync="values"), dict(k_chunks=2), dict(widen8=False),
+                  dict(block_tokens=512),  # (sub_tokens 256 < block_tokens)
+                  dict(warp_softmax=True),  # (at G = D)
+                  dict(copy_warp=False)):  # (one warpgroup: Mosaic's pipeline and barriers)
+        assert not kd._dense_bias(dataclasses.replace(on, **flags), 128, 128, False), flags
+    # 512-token steps in one sub-step: a block of 16 groups of 128 spans four steps; of 16
+    # groups of 32 (512 tokens), one
+    big = dataclasses.replace(on, block_tokens=512, sub_tokens=512)
+    assert kd._dense_bias(big, 128, 128, False) and kd._dense_bias(big, 32, 128, False)
+    # shared memory: the block and the bias rows in, the per-step minimums out
+    kw = dict(key_bits=2, value_bits=2, group_size=128, padded_heads=8)
+    base = kd.choose_tuning(8, 8, 131072)
+    extra = 16 * 128 * 2 + 16 * 4 * 8 * 4 - base.stages * 256 // 128 * 128 * 2
+    assert (kd.smem_bytes(dataclasses.replace(base, dense_bias=True), **kw)
+            == kd.smem_bytes(base, **kw) + base.wg_per_block * extra)
+    # not where the per-warp softmax runs (choose_tuning's 4-bit G = D launch)
+    four = dataclasses.replace(kd.choose_tuning(8, 8, 131072, key_bits=4, value_bits=4),
+                               dense_bias=True)
+    assert not kd._dense_bias(four, 128, 128, False)
+    # the GPU cases that name it take it
+    dense = [c for c in GPU_CASES if c[-1] is not None and c[-1].dense_bias]
+    assert len(dense) == 5
+    for B, Hq, Hkv, D, Tq, kb, vb, G, dt, tun in dense:
+        assert kd._dense_bias(tun, G, D, False, Tq), (kb, G, tun)
+
+
+@pytest.mark.parametrize("kbg", ["2:128", "2:32"])
+def test_dense_bias_cross_lowers_for_sm90(kbg):
+    """choose_tuning's anchor launch with dense_bias through the real sm_90 lowering (native
+    only: the interpreter ignores the flag), over 32 key groups: two blocks, the second
+    clamped to the cache's end in the last split."""
+    kb, G = map(int, kbg.split(":"))
+    tun = dataclasses.replace(kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb,
+                                               group_size=G), dense_bias=True)
+    assert kd._dense_bias(tun, G, 128, False, 32 * G)
+    _cross_lower((2, 32, 8, 128, 32 * G, kb, kb, G, jnp.float16, [32 * G, 1000], 1, tun))
+
+
 def test_value_fold_gating():
     """The value scale folds into P only where a token has one channel group (G = D) and P is
     stored transposed; widen8 and the interpreter both take it."""
@@ -965,6 +1013,23 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(512, 4, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
     (2, 16, 16, 64, 4096, 2, 4, 64, jnp.float16,
      TC(256, 3, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
+    # the key bias from 16-group blocks (`dense_bias`, run 118): the anchor's 2-bit G = 128 and
+    # G = 32 launches (packed, zero-padded), G = 64 with three heads and unpacked planes,
+    # 4-bit G = 128 with one warpgroup and the shared softmax, 512-token steps at G = 32
+    (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True,
+        pack_zeros=True, dense_bias=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.float16,
+     TC(256, 5, 2, fold_k=True, wg_per_block=3, spread_copies=True, fold_v_warp=True,
+        vec64=True, pack_planes=True, pack_zeros=True, dense_bias=True)),
+    (2, 24, 8, 128, 8192, 2, 2, 64, jnp.bfloat16,
+     TC(256, 4, 2, fold_k=True, wg_per_block=3, fold_v_warp=True, vec64=True,
+        dense_bias=True)),
+    (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16,
+     TC(256, 4, 2, fold_k=True, warp_softmax=False, release_slots=True, dense_bias=True)),
+    (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
+     TC(512, 4, 2, sub_tokens=512, fold_k=True, wg_per_block=2, fold_v_warp=True,
+        vec64=True, dense_bias=True)),
 ]
 
 
@@ -1005,6 +1070,32 @@ def test_gpu_matches_reference_and_is_deterministic(case):
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
         k: v for k, v in kw.items() if k != "tuning"}, **twin_flags(tun, G, D))
     compare(o, lse, ro, rlse, tol_for(tun, G, D, dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("kbg", ["2:128", "2:32", "2:64", "4:32"])
+def test_gpu_dense_bias_gives_the_same_bits(kbg):
+    """dense_bias computes the key bias of 16 groups in one mma.sync's rows, with the same
+    products in the same order as the per-step bias mma: choose_tuning's anchor launches give
+    the same outputs bit for bit with it and without, over ragged lengths, splits whose blocks
+    start off the 16-group grid and a last block clamped to the cache's end."""
+    kb, G = map(int, kbg.split(":"))
+    B, Hq, Hkv, D, Tq = 3, 32, 8, 128, 16384 + 3 * 256
+    tun = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    dense = dataclasses.replace(tun, dense_bias=True)
+    assert kd._dense_bias(dense, G, D, False, Tq)
+    q, nt = make_q(4, B, Hq, D, jnp.float16), jnp.asarray([Tq, 7001, 255], jnp.int32)
+    cache = make_cache(kb * G, 2, B, Hkv, D, Tq, kb, kb, G)
+    run = lambda t: jax.jit(lambda *c: kd.kivi_decode(
+        q, *c, nt, jnp.int32(1), key_bits=kb, value_bits=kb, group_size=G,
+        sm_scale=1 / math.sqrt(D), tuning=t))(*cache)
+    a, b = run(dense), run(tun)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), key_bits=kb,
+                                        value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+    compare(*a, ro, rlse, TOL[jnp.dtype(jnp.float16)])
 
 
 @pytest.mark.gpu
