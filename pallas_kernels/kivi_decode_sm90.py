@@ -332,10 +332,14 @@ class TuningConfig:
       rows (`_store_bias_rows`) and reads the row of its group at every step (`_bias_rows`:
       one 64-bit load). The key minimums then leave the step's copies. The same numbers
       (the same products in the same order). Native only, one sub-step per copy step, at
-      least 16 groups in the cache.
+      least 16 groups in the cache. At 2-bit G=128 with four warpgroups 1.0-1.9% faster
+      back to back at the power cap, even in bursts (runs 118-119; 760 -> ~724 instructions
+      per step); at G = 32, whose block spans two steps, 5% slower: `choose_tuning` sets it
+      at 2-bit G = 128 with four warpgroups.
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
-    fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it does not pay);
+    dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it
+    does not pay);
     the launch parameters (num_splits, wg_per_block) are a generic starting point:
     `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8;
     docs/performance.md runs 40-42, 47).
@@ -675,9 +679,17 @@ def choose_tuning(
     # 0.2099 ms; in the benchmark's bursts even, 0.1962 -> 0.1969 ms over three pairs); at G <
     # D (the keys' padding only) even to slower (B=32 T=32k G=32 0.2241 -> 0.2322).
     pz = pack and group_size == head_dim
-    return dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
-                               spread_copies=spread, pack_planes=pack, fold_v_warp=fvw,
-                               vec64=fvw, pack_zeros=pz)
+    out = dataclasses.replace(base, num_splits=S, warp_softmax=wsm, release_slots=release,
+                              spread_copies=spread, pack_planes=pack, fold_v_warp=fvw,
+                              vec64=fvw, pack_zeros=pz)
+    # The key bias of 16 groups per mma.sync (a block of eight steps at G = 128): 2-bit G=128
+    # with four warpgroups at the anchor, over four A/B pairs in two processes (runs 118-119),
+    # back to back at the power cap 0.2036/0.2041/0.2081/0.2101 -> 0.2008/0.2003/0.2061/0.2074
+    # ms (SM clock +15-45 MHz), in bursts even (median 0.1989 -> 0.1986 ms); at G = 32 (a
+    # block of two steps) slower, 0.2275 -> 0.2390. The same outputs bit for bit.
+    dense = (pz and group_size == 128 and wg_per_block == 4
+             and size(dataclasses.replace(out, dense_bias=True)) <= SMEM_LIMIT)
+    return dataclasses.replace(out, dense_bias=dense)
 
 
 def _swz(dtype, minor_elems):

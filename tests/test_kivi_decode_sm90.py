@@ -471,7 +471,7 @@ def test_dense_bias_gating():
     assert kd._dense_bias(big, 128, 128, False) and kd._dense_bias(big, 32, 128, False)
     # shared memory: the block and the bias rows in, the per-step minimums out
     kw = dict(key_bits=2, value_bits=2, group_size=128, padded_heads=8)
-    base = kd.choose_tuning(8, 8, 131072)
+    base = dataclasses.replace(kd.choose_tuning(8, 8, 131072), dense_bias=False)
     extra = 16 * 128 * 2 + 16 * 4 * 8 * 4 - base.stages * 256 // 128 * 128 * 2
     assert (kd.smem_bytes(dataclasses.replace(base, dense_bias=True), **kw)
             == kd.smem_bytes(base, **kw) + base.wg_per_block * extra)
@@ -482,8 +482,10 @@ def test_dense_bias_gating():
     # the GPU cases that name it take it
     dense = [c for c in GPU_CASES if c[-1] is not None and c[-1].dense_bias]
     assert len(dense) == 5
-    for B, Hq, Hkv, D, Tq, kb, vb, G, dt, tun in dense:
+    for _B, Hq, Hkv, D, Tq, kb, vb, G, _dt, tun in dense:
         assert kd._dense_bias(tun, G, D, False, Tq), (kb, G, tun)
+        assert kd.smem_bytes(tun, key_bits=kb, value_bits=vb, group_size=G, head_dim=D,
+                             padded_heads=kd._padded_heads(Hq // Hkv)) <= kd.SMEM_LIMIT, tun
 
 
 @pytest.mark.parametrize("kbg", ["2:128", "2:32"])
@@ -751,6 +753,12 @@ def test_choose_tuning_warpgroups_per_block():
     assert not ct(8, 8, 131072, group_size=32).pack_zeros
     assert not ct(8, 8, 131072, group_size=64).pack_zeros
     assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_zeros
+    # the key bias from 16-group blocks with four warpgroups at 2-bit G=128 (runs 118-119)
+    assert ct(8, 8, 131072, group_size=128).dense_bias
+    assert ct(32, 8, 32768, group_size=128).dense_bias
+    assert not ct(1, 8, 8192, group_size=128).dense_bias  # (one warpgroup: not measured)
+    assert not ct(8, 8, 131072, group_size=32).dense_bias
+    assert not ct(8, 8, 131072, group_size=64).dense_bias
     # the value scale folded per warp with 64-bit vector loads at 2-bit G < D (runs 97-98),
     # at every (B, T); not at 4 bits (mixed), not at G = D (fold_v folds it there)
     for B, T in ((8, 131072), (1, 8192), (32, 32768)):
@@ -1015,7 +1023,8 @@ GPU_CASES = [  # larger shapes, native production variant
      TC(256, 3, 2, fold_k=True, warp_softmax=False, pack_planes=True, pack_zeros=True)),
     # the key bias from 16-group blocks (`dense_bias`, run 118): the anchor's 2-bit G = 128 and
     # G = 32 launches (packed, zero-padded), G = 64 with three heads and unpacked planes,
-    # 4-bit G = 128 with one warpgroup and the shared softmax, 512-token steps at G = 32
+    # 4-bit G = 128 with one warpgroup and the shared softmax, 512-token steps at G = 32 (one
+    # warpgroup, three stages)
     (4, 32, 8, 128, 16384, 2, 2, 128, jnp.bfloat16,
      TC(256, 4, 2, fold_k=True, wg_per_block=4, warp_softmax=False, pack_planes=True,
         pack_zeros=True, dense_bias=True)),
@@ -1028,8 +1037,8 @@ GPU_CASES = [  # larger shapes, native production variant
     (2, 64, 8, 128, 8192, 4, 4, 128, jnp.float16,
      TC(256, 4, 2, fold_k=True, warp_softmax=False, release_slots=True, dense_bias=True)),
     (3, 32, 8, 128, 8192, 2, 2, 32, jnp.bfloat16,
-     TC(512, 4, 2, sub_tokens=512, fold_k=True, wg_per_block=2, fold_v_warp=True,
-        vec64=True, dense_bias=True)),
+     TC(512, 4, 3, sub_tokens=512, fold_k=True, fold_v_warp=True, vec64=True,
+        dense_bias=True)),
 ]
 
 
@@ -1083,7 +1092,7 @@ def test_gpu_dense_bias_gives_the_same_bits(kbg):
     kb, G = map(int, kbg.split(":"))
     B, Hq, Hkv, D, Tq = 3, 32, 8, 128, 16384 + 3 * 256
     tun = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
-    dense = dataclasses.replace(tun, dense_bias=True)
+    dense, tun = (dataclasses.replace(tun, dense_bias=x) for x in (True, False))
     assert kd._dense_bias(dense, G, D, False, Tq)
     q, nt = make_q(4, B, Hq, D, jnp.float16), jnp.asarray([Tq, 7001, 255], jnp.int32)
     cache = make_cache(kb * G, 2, B, Hkv, D, Tq, kb, kb, G)
