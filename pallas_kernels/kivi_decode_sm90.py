@@ -788,6 +788,11 @@ def _i32(v):
     return mgpu_utils.c(v, ir.IntegerType.get_signless(32))
 
 
+def _idx(v):
+    """An i32 value as an MLIR index (a memref subscript)."""
+    return arith.index_cast(ir.IndexType.get(), v)
+
+
 def _lane_warp():
     """(lane, warp within the warpgroup) as i32 values."""
     tid = mgpu_utils.thread_idx()
@@ -907,15 +912,14 @@ def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
         if n_half:  # lanes 16-31: the second vector
             k4 = arith.addi(k4, arith.muli(arith.shrui(lane, _i32(4)), _i32(n_half)))
         pair_ty = ir.VectorType.get((2,), ir.MemRefType(ref.type).element_type)
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         regs = []
         if wide:  # registers 2j, 2j + 1: positions 16j + 4k .. 16j + 4k + 3
             for j in range(X // 16):
-                regs.extend(_pairs64(ref, [ix(arith.addi(k4, _i32(16 * j)))]))
+                regs.extend(_pairs64(ref, [_idx(arith.addi(k4, _i32(16 * j)))]))
         else:
             for i in range(X // 8):  # register i: positions 8i + 2k + (0, 1)
                 col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
-                regs.append(vector.load(pair_ty, ref, [ix(col)],
+                regs.append(vector.load(pair_ty, ref, [_idx(col)],
                                         alignment=4 if align4 else None))
         return mgpu_fa.FragmentedArray(
             _registers=np.array(regs, dtype=object).reshape(
@@ -1518,7 +1522,6 @@ def _group_min_mma(z_rows, p_ref, z_odd=None):
         *zrefs, pref = refs
         i8, i32, f32 = (ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32),
                         ir.F32Type.get())
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         lane, warp = _lane_warp()
         g, t = arith.shrui(lane, _i32(2)), arith.andi(lane, _i32(3))
         # A row g and B column g (head 8 i + g) hold a lane's k-lo and k-hi pairs, which must
@@ -1529,14 +1532,14 @@ def _group_min_mma(z_rows, p_ref, z_odd=None):
         # those two pairs of the minimums, two 32-bit loads once per plane. (z's consecutive
         # 4t .. 4t + 3 against P's positions 4t .. was run 104's error, 3e-2.) Rows g >= n
         # repeat the last (products dropped).
-        row = ix(arith.minui(g, _i32(n - 1)))
+        row = _idx(arith.minui(g, _i32(n - 1)))
         e = arith.addi(arith.addi(arith.muli(warp, _i32(16)),
                                   arith.muli(arith.andi(t, _i32(1)), _i32(8))),
                        arith.muli(arith.shrui(t, _i32(1)), _i32(2)))
         half = ir.VectorType.get((2,), ir.MemRefType(zrefs[0].type).element_type)
 
         def k_pairs(ref):  # (k-lo, k-hi) of the lane's group row, as i32
-            return [mgpu_utils.bitcast(vector.load(half, ref, [row, ix(arith.addi(e, _i32(o)))],
+            return [mgpu_utils.bitcast(vector.load(half, ref, [row, _idx(arith.addi(e, _i32(o)))],
                                                    alignment=4), i32) for o in (0, 4)]
 
         lo, hi = k_pairs(zrefs[0])
@@ -1648,15 +1651,14 @@ def _dense_rows(ref):
                        return_type=plgpu.ShapeDtypeStruct((PLANE, X), ref.dtype, layout=_WG))
     def load(_, r):
         lane, _w = _lane_warp()
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
         col_lay = mgpu_fa.WGMMA_COL_LAYOUT
         halves = []
         for h in range(2):
-            row = ix(arith.addi(arith.shrui(lane, _i32(2)), _i32(8 * h)))
+            row = _idx(arith.addi(arith.shrui(lane, _i32(2)), _i32(8 * h)))
             regs = []
             for j in range(X // 16):
-                regs.extend(_pairs64(r, [row, ix(arith.addi(k4, _i32(16 * j)))]))
+                regs.extend(_pairs64(r, [row, _idx(arith.addi(k4, _i32(16 * j)))]))
             halves.append(_origins(mgpu_fa.FragmentedArray(
                 _registers=np.array(regs, dtype=object).reshape(col_lay.registers_shape((X,))),
                 _layout=col_lay, _is_signed=None)))
@@ -1679,12 +1681,11 @@ def _store_bias_rows(x, ref):
     @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()))
     def store(_, xa, r):
         lane, warp = _lane_warp()
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         g, t2 = arith.shrui(lane, _i32(2)), arith.muli(arith.andi(lane, _i32(3)), _i32(2))
         for i, reg in np.ndenumerate(xa.registers):
             r0, c0 = xa.layout.tiling.untile_indices(i)
-            vector.store(reg, r, [ix(arith.addi(g, _i32(r0 % 16))), ix(warp),
-                                  ix(arith.addi(t2, _i32(c0)))])
+            vector.store(reg, r, [_idx(arith.addi(g, _i32(r0 % 16))), _idx(warp),
+                                  _idx(arith.addi(t2, _i32(c0)))])
 
     store(x, ref)
 
@@ -1701,7 +1702,6 @@ def _bias_rows(ref, rows: tuple[int, ...], dup_half: bool):
                        return_type=plgpu.ShapeDtypeStruct((PLANE, N), jnp.float32, layout=_WG))
     def load(_, r):
         lane, warp = _lane_warp()
-        ix = lambda v: arith.index_cast(ir.IndexType.get(), v)
         row = _i32(rows[0])
         for w in range(1, 4):
             if rows[w] != rows[0]:
@@ -1715,7 +1715,8 @@ def _bias_rows(ref, rows: tuple[int, ...], dup_half: bool):
         for i in np.ndindex(out.shape):
             _r0, c0 = lay.tiling.untile_indices(i)
             if c0 not in loaded:
-                loaded[c0] = vector.load(f2, r, [ix(row), ix(warp), ix(arith.addi(t2, _i32(c0)))])
+                col = _idx(arith.addi(t2, _i32(c0)))
+                loaded[c0] = vector.load(f2, r, [_idx(row), _idx(warp), col])
                 out[i] = loaded[c0]
             else:
                 out[i] = _fresh(loaded[c0])
