@@ -2013,10 +2013,10 @@ def _make_kernel(
                 lax.div(n - start + (TS - 1), jnp.int32(TS)), 0,
                 jnp.minimum(steps_per_split, total_steps - first))
 
-            # one-warpgroup blocks: the issuing warp from the block index, so that the
-            # blocks an SM holds tend to issue from different schedulers (`_pipeline`)
-            who = None if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
-            copy_warp = lax.rem(wg, 4) if who is None else who
+            # the copies' issuing warp (`_pipeline`'s and dense_bias's): wg % 4, so that a
+            # block's W issuing warps sit on different schedulers; one-warpgroup blocks take
+            # it from the block index, so that the blocks an SM holds tend to
+            copy_warp = lax.rem(wg, 4) if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
             if db:  # the minimums block, the warps' bias rows and the block's barrier
                 kzc_s, kb_s, kz_bar = own("kzc_s"), own("kb_s"), own("kz_bar")
 
@@ -2680,7 +2680,7 @@ def _make_kernel(
                     [sc[f"buf{j}"].at[wg] for j in piped],
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
-                    issuer=who, spread=tuning.spread_copies,
+                    issuer=copy_warp, spread=tuning.spread_copies,
                     no_copies=tuning.skip == "copies")
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
