@@ -29,6 +29,9 @@ def main():
     ap.add_argument("--kbg", default="2:128", help="bits:G list")
     ap.add_argument("--variants", default="default;fold_k=0;subnormal_values=0")
     ap.add_argument("--hq", type=int, default=32, help="query heads (Hkv=8, D=128)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure cuDNN and every variant this many times in turn (drift "
+                         "between them then shows as spread, not as a bias of one)")
     ap.add_argument("--prev", default="",
                     help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()
@@ -41,9 +44,10 @@ def main():
     Hq, Hkv, D = a.hq, 8, 128
     print(f"Hq={Hq}, Hkv={Hkv}, D={D}")
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
-    for pt in a.points.split(","):
+    for pt in (p for p in a.points.split(",") for _ in range(a.rounds)):
         B, T = map(int, pt.split("x"))
         cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
+        print(f"| {B} | {T} | fp16 | | cuDNN | | {cud['ms']:.4f} | 1.00 |", flush=True)
         for kbg in a.kbg.split(","):
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
