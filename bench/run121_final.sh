@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run 121 (stop 28; two device calls on HEAD, dense_bias the default at 2-bit G=128).
+# Run 121 (stop 28; three device calls on HEAD, dense_bias the default at 2-bit G=128).
 #   PART=tests bash bench/run121_final.sh   # the GPU module and the dispatch tests, four shards
 #                                           # (the copy warp passed to _pipeline, 9537bec, had
 #                                           # not run natively)
+#   PART=grid bash bench/run121_final.sh    # both grids on HEAD, each in one process
 #   PART=ab bash bench/run121_final.sh      # the anchor in four fresh processes, cuDNN and the
 #                                           # kernel in turn three times in each; the three
 #                                           # targets' configurations; back to back; generation
@@ -14,6 +15,16 @@ Q="--query-gpu=name,uuid,serial,temperature.gpu,power.draw,power.limit,clocks.sm
 if [ "${PART:-tests}" = tests ]; then
   nvidia-smi $Q | tee "$OUT/gpu_${D}_run121_tests.txt"
   bash bench/gpu_tests_sharded.sh "$OUT/pytest_gpu_${D}_run121.txt" 280
+  exit 0
+fi
+if [ "${PART}" = grid ]; then
+  nvidia-smi $Q | tee "$OUT/gpu_${D}_run121_grid.txt"
+  for h in 32 64; do
+    mkdir -p "$OUT/g$h"
+    env $M=0.95 timeout 260 python3 bench/decode_attention.py --mode grid --hq $h \
+      --batches 1,8,32 --ts 131072,8192,32768 --bits_g 2:128,2:32,4:128,4:32 --fp16 cudnn \
+      --no_twin --lp 0 --budget_s 235 --out "$OUT/g$h" 2>&1 | grep "^|"
+  done
   exit 0
 fi
 R="$OUT/anchor_${D}_run121.txt"
