@@ -32,6 +32,7 @@ from kivi_jax.quant import (
     value_codes_blocked,
 )
 from pallas_kernels import kivi_decode_sm90 as kd
+from pallas_kernels import sm90_fragments
 
 ON_GPU = jax.default_backend() == "gpu"
 # Tolerances (max |o - o_ref| / max |o_ref|, and |lse - lse_ref|): the kernel dequantizes in
@@ -389,7 +390,7 @@ def test_widen8_contraction_order():
     of tile 2b+1) when bytes (0, 1) and (2, 3) of each register become one fp16 pair each;
     _store_p_perm writes token q of a 16-block at position 8 (q // 2 % 2) + 2 (q // 4) + q % 2;
     permute_contraction applies the order blockwise."""
-    perm = kd._PERM16
+    perm = sm90_fragments._PERM16
     assert sorted(perm) == list(range(16))
     for k in range(4):
         for e in range(2):
