@@ -137,6 +137,15 @@ def _idx(v):
     return arith.index_cast(ir.IndexType.get(), v)
 
 
+def _col_vector(regs, n):
+    """A (n,) vector in the WGMMA column layout (`_WG.reduce(0)`) from its registers, in
+    order: what the loads and reductions below build lane by lane."""
+    return mgpu_fa.FragmentedArray(
+        _registers=np.array(regs, dtype=object).reshape(
+            mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((n,))),
+        _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+
+
 def _lane_warp():
     """(lane, warp within the warpgroup) as i32 values."""
     tid = mgpu_utils.thread_idx()
@@ -265,10 +274,7 @@ def _vec_load(rows_ref, *, rows: tuple[int, ...] = (), perm: bool = False,
                 col = arith.addi(k4, _i32(16 * (i // 2) + 2 * (i % 2)))
                 regs.append(vector.load(pair_ty, ref, [_idx(col)],
                                         alignment=4 if align4 else None))
-        return mgpu_fa.FragmentedArray(
-            _registers=np.array(regs, dtype=object).reshape(
-                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((X,))),
-            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+        return _col_vector(regs, X)
 
     return load(rows_ref)
 
@@ -527,10 +533,7 @@ def _wg_max_open(x, scratch_ref):
             vals = [vector.load(vty, ref, [idx(_i32(w), i)]) for w in range(4)]
             regs.append(arith.maximumf(arith.maximumf(vals[0], vals[1]),
                                        arith.maximumf(vals[2], vals[3])))
-        return mgpu_fa.FragmentedArray(
-            _registers=np.array(regs, dtype=object).reshape(
-                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((N,))),
-            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+        return _col_vector(regs, N)
 
     return reduce(x, scratch_ref)
 
@@ -553,10 +556,7 @@ def _warp_max(x):
                        return_type=plgpu.ShapeDtypeStruct((N,), x.dtype, layout=_WG.reduce(0)))
     def reduce(_, xa):
         regs = [_warp_col_max(_origins(xa), i) for i in range(N // 8)]
-        return mgpu_fa.FragmentedArray(
-            _registers=np.array(regs, dtype=object).reshape(
-                mgpu_fa.WGMMA_COL_LAYOUT.registers_shape((N,))),
-            _layout=mgpu_fa.WGMMA_COL_LAYOUT, _is_signed=None)
+        return _col_vector(regs, N)
 
     return reduce(x)
 
@@ -996,16 +996,13 @@ def _dense_rows(ref):
     def load(_, r):
         lane, _w = _lane_warp()
         k4 = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
-        col_lay = mgpu_fa.WGMMA_COL_LAYOUT
         halves = []
         for h in range(2):
             row = _idx(arith.addi(arith.shrui(lane, _i32(2)), _i32(8 * h)))
             regs = []
             for j in range(X // 16):
                 regs.extend(_pairs64(r, [row, _idx(arith.addi(k4, _i32(16 * j)))]))
-            halves.append(_origins(mgpu_fa.FragmentedArray(
-                _registers=np.array(regs, dtype=object).reshape(col_lay.registers_shape((X,))),
-                _layout=col_lay, _is_signed=None)))
+            halves.append(_origins(_col_vector(regs, X)))
         lay = mgpu_fa.WGMMA_LAYOUT
         out = np.empty(lay.registers_shape((PLANE, X)), dtype=object)
         for i in np.ndindex(out.shape):
