@@ -870,7 +870,8 @@ def _make_kernel(
 
             # the copies' issuing warp (`_pipeline`'s and dense_bias's): wg % 4, so that a
             # block's W issuing warps sit on different schedulers; one-warpgroup blocks take
-            # it from the block index, so that the blocks an SM holds tend to
+            # it from the block index, so that the blocks an SM holds tend to issue from
+            # different schedulers too
             copy_warp = lax.rem(wg, 4) if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
             if db:  # the minimums block, the warps' bias rows and the block's barrier
                 kzc_s, kb_s, kz_bar = own("kzc_s"), own("kb_s"), own("kz_bar")
