@@ -149,6 +149,7 @@ from pallas_kernels.sm90_fragments import (
     PLANE,
     _bias_rows,
     _code_field8,
+    _copy_stamps,
     _code_field8_reference,
     _dense_rows,
     _f8_field_spec,
@@ -172,6 +173,7 @@ from pallas_kernels.sm90_fragments import (
     _row_half,
     _rows_of,
     _scale_rhs,
+    _stamp,
     _store_bias_rows,
     _store_p_perm,
     _swap_halves,
@@ -224,6 +226,11 @@ class TuningConfig:
       does anyway, at G = 32 one instead of two; wrong numbers there, the cost), "bias"
       (fold_k on mma.sync, native) drops the key bias q . z_g (its vector loads and mma;
       wrong numbers: its cost).
+    trace: diagnostics (native only; `bench/tail_probe.py`): the last three columns of each
+      unit's lse partial hold, instead of the log-sum-exp, the unit's start and end
+      %globaltimer_lo in ns mod 2^24 (the end taken before its outputs' copy-out) and its SM
+      id, as float32; the kernel is otherwise unchanged. Needs three padded query-head
+      columns (at most NP - 3 query heads per kv head).
     fold_k: fold the key scale into q per token group, with the key product on mma.sync
       (`_folds_keys_mma`, any G; `choose_tuning` turns it on there; ignored with the keys on
       wgmma): code fields as fp16 subnormals, B = fp16(q * s_g) per register and warp (each
@@ -422,6 +429,7 @@ class TuningConfig:
     pack_planes: bool = False
     pack_zeros: bool = False
     dense_bias: bool = False
+    trace: bool = False
 
     def __post_init__(self):
         if self.k_chunks not in (1, 2):
@@ -875,6 +883,8 @@ def _make_kernel(
             copy_warp = lax.rem(wg, 4) if W > 1 else lax.rem((b * Hkv + h) * S + s, 4)
             if db:  # the minimums block, the warps' bias rows and the block's barrier
                 kzc_s, kb_s, kz_bar = own("kzc_s"), own("kb_s"), own("kz_bar")
+            if tuning.trace:  # the unit's start (diagnostics)
+                _stamp(own("trace_s"), 0)
 
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
             plgpu.barrier_wait(bar)
@@ -1582,6 +1592,11 @@ def _make_kernel(
             # log2 units -> natural log
             lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
             lse_s[...] = jnp.where(ok, lse, -jnp.inf)
+            if tuning.trace:  # start, end and SM id over the padded heads' columns
+                _wg_sync(interpret)
+                _copy_stamps(own("trace_s"), lse_s, (NP - 3,))
+                _stamp(lse_s, NP - 2)
+                _stamp(lse_s, NP - 1, smid=True)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
             plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
@@ -1631,6 +1646,8 @@ def _make_kernel(
         scratch["kb_s"] = plgpu.SMEM(per_wg(_BIAS_ROWS, 4, NP), jnp.float32)
         scratch["kz_bar"] = (plgpu.Barrier(num_arrivals=1, num_barriers=W) if W > 1 else
                              plgpu.Barrier(num_arrivals=1))
+    if tuning.trace:  # the unit's start stamp (diagnostics)
+        scratch["trace_s"] = plgpu.SMEM(per_wg(8), jnp.float32)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(_red_scratch(NP)), jnp.float32)
     scratch_names = list(scratch)
@@ -1761,6 +1778,10 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     nq = Hq // Hkv
     # wgmma N granularity is 8; storing P^T untransposed needs 32-byte rows (N >= 16).
     NP = max(16 if tuning.p_direct else 8, _padded_heads(nq))
+    if tuning.trace and (interpret is not False or nq > NP - 3):
+        raise NotImplementedError(
+            f"tuning.trace (diagnostics) runs natively with at most {NP - 3} query heads per kv "
+            f"head (got {nq}, interpret={interpret}): its stamps take three padded columns")
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
     sm_scale = sm_scale * float(np.log2(np.e))

@@ -1087,6 +1087,39 @@ def _wg_sync(interpret):
     sync()
 
 
+def _stamp(ref, col: int, smid: bool = False):
+    """Diagnostics (`TuningConfig.trace`): one thread of the warpgroup writes %globaltimer_lo
+    (ns) mod 2^24, or with smid the SM's id, as float32 (exact below 2^24) to ref[col] of
+    the warpgroup's f32 SMEM vector `ref`. The 24 bits wrap every 16.8 ms, 80 times a
+    0.2 ms launch: differences within one launch are exact mod 2^24. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def store(_, r):
+        v = mgpu_utils.smid() if smid else mgpu_utils.globaltimer("low")
+        v = arith.uitofp(ir.F32Type.get(), arith.andi(v, _i32(0xFFFFFF)))
+        vec = vector.broadcast(ir.VectorType.get((1,), ir.F32Type.get()), v)
+        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
+            vector.store(vec, r, [_idx(_i32(col))])
+
+    store(ref)
+
+
+def _copy_stamps(src, dst, cols):
+    """Diagnostics (`TuningConfig.trace`): one thread of the warpgroup copies src[i] to
+    dst[cols[i]] (f32 SMEM vectors of the warpgroup): the start stamps into the lse tile.
+    The caller orders it after the warpgroup's own stores to dst (`_wg_sync`). Not
+    interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def copy(_, s, d):
+        f1 = ir.VectorType.get((1,), ir.F32Type.get())
+        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
+            for i, c in enumerate(cols):
+                vector.store(vector.load(f1, s, [_idx(_i32(i))]), d, [_idx(_i32(c))])
+
+    copy(src, dst)
+
+
 def _warp_sync():
     """A barrier over this warp's 32 threads: orders one lane's SMEM stores before another
     lane's loads where only the warp itself reads them (dense_bias's bias rows)."""

@@ -451,6 +451,25 @@ def test_native_only_paths_are_gated():
                            sm_scale=0.1, tuning=TC(**flags))
 
 
+def test_trace_gating_and_cross_lowering():
+    """TuningConfig.trace (diagnostics: unit stamps in three padded lse columns) runs natively
+    only, with three free padded columns; there it lowers for sm_90 (the stamps' inline PTX
+    included) on choose_tuning's anchor launch."""
+    B, Hkv, D, Tq, kb, G = 1, 2, 128, 512, 2, 128
+    cache = make_cache(0, 1, B, Hkv, D, Tq, kb, kb, G)
+    tun = dataclasses.replace(
+        kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G), trace=True)
+    nt = jnp.array([Tq], jnp.int32)
+    call = lambda Hq, **kw: kd.kivi_decode(
+        make_q(1, B, Hq, D, jnp.float16), *cache, nt, jnp.int32(0), key_bits=kb,
+        value_bits=kb, group_size=G, sm_scale=0.1, tuning=tun, **kw)
+    with pytest.raises(NotImplementedError, match="natively"):
+        call(4 * Hkv, interpret=True)
+    with pytest.raises(NotImplementedError, match="three padded columns"):
+        jax.jit(lambda: call(8 * Hkv)).trace().lower(lowering_platforms=("cuda",))
+    _cross_lower((B, 4 * Hkv, Hkv, D, Tq, kb, kb, G, jnp.float16, [Tq], 0, tun))
+
+
 def test_dense_bias_gating():
     """dense_bias takes the key bias from 16-group blocks only natively on the folded mma.sync
     key product in the widen8 order, one sub-step per copy step, whole blocks of steps and at
@@ -1106,6 +1125,37 @@ def test_gpu_dense_bias_gives_the_same_bits(kbg):
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), key_bits=kb,
                                         value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
     compare(*a, ro, rlse, TOL[jnp.dtype(jnp.float16)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+def test_gpu_trace_stamps_and_the_same_bits():
+    """trace=True (bench/tail_probe.py): the merged outputs bit for bit as without it; in the
+    lse partials' last three columns every unit's start before its end (mod 2^24 ns, within
+    the launch's milliseconds), SM ids below the device's count, and four units per SM block
+    at the anchor's W = 4 on one SM each."""
+    kb, G, B, Hq, Hkv, D, Tq = 2, 128, 2, 32, 8, 128, 16384
+    tun = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    traced = dataclasses.replace(tun, trace=True)
+    q, nt = make_q(5, B, Hq, D, jnp.float16), jnp.asarray([Tq, 9001], jnp.int32)
+    cache = make_cache(11, 2, B, Hkv, D, Tq, kb, kb, G)
+    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+    run = lambda t: jax.jit(lambda *c: kd.kivi_decode(q, *c, nt, jnp.int32(1), **kw,
+                                                      tuning=t))(*cache)
+    for x, y in zip(run(traced), run(tun), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    kern, args, _ = kd._kernel_call(q, cache, nt, jnp.int32(1), **kw, tuning=traced,
+                                    interpret=False, stage_smem=False)
+    _, lse_parts = jax.jit(kern)(*args)
+    x = np.asarray(lse_parts)[..., -3:].astype(np.int64).reshape(-1, 3)
+    dur = (x[:, 1] - x[:, 0]) % (1 << 24)
+    # (%globaltimer ticks in steps of up to 1 us: a unit with no steps may read 0)
+    assert (dur >= 0).all() and (dur < 5_000_000).all() and dur.max() > 0, dur
+    sms = getattr(jax.devices()[0], "core_count", 132)
+    assert ((x[:, 2] >= 0) & (x[:, 2] < sms)).all()
+    W = tun.wg_per_block
+    blocks = x[:, 2].reshape(-1, W)  # a block's W units run on one SM
+    assert (blocks == blocks[:, :1]).all()
 
 
 @pytest.mark.gpu
