@@ -24,9 +24,9 @@ for i in 1 2; do
 done
 nvidia-smi $Q | tee -a "$R"
 env $M=0.95 timeout 100 python3 bench/tail_probe.py --points 8x131072 --kbg 2:128,2:32,4:128 \
-  --calls 48 --out "$OUT/tail_${D}_run122a.json" 2>&1 | grep "^|" | tee -a "$R"
+  --calls 48 --out "$OUT/tail_${D}_run122a.json" 2>&1 | tee "$OUT/tail_a.log" | grep "^|" | tee -a "$R"
 env $M=0.95 timeout 60 python3 bench/tail_probe.py --points 32x32768,1x131072 --kbg 2:128 \
-  --calls 48 --out "$OUT/tail_${D}_run122b.json" 2>&1 | grep "^|" | tee -a "$R"
+  --calls 48 --out "$OUT/tail_${D}_run122b.json" 2>&1 | tee "$OUT/tail_b.log" | grep "^|" | tee -a "$R"
 env $M=0.95 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kivi_decode_sm90.py \
   -k trace_stamps 2>&1 | tail -3 | tee -a "$R"
 mkdir -p "$OUT/g32"
