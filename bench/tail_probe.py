@@ -76,6 +76,15 @@ def launch_stats(start, end, sm):
                 sms=int(len(busy)), dur=dur, sm=sm)
 
 
+def sm_means(launches, sms):
+    """Each SM's mean unit duration over the launches (launch_stats results)."""
+    out = []
+    for x in sms:
+        d = np.concatenate([s["dur"][s["sm"] == x] for s in launches])
+        out.append(d.mean() if d.size else np.nan)
+    return np.array(out)
+
+
 def rank_corr(a, b):
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1])
@@ -110,16 +119,16 @@ def probe(B, T, kb, G, calls, bursts, Hq=32, Hkv=8, D=128):
                          "end_p90", "end_max", "idle", "sms")}
         if kind == "back to back":
             gaps = []
-            for (s0, e0, _), (s1, _e1, _) in zip(runs, runs[1:]):
+            for (s0, e0, _), (s1, _e1, _) in zip(runs[:-1], runs[1:], strict=True):
                 last_end = s0[0] + max((e0 - s0[0]) % WRAP)
                 gaps.append(((s1 - last_end) % WRAP).min() / 1e3)
             row["gap"] = statistics.median(gaps)
         half = len(st) // 2
         if half >= 2:
             sms = np.unique(np.concatenate([s["sm"] for s in st]))
-            per = lambda group: np.array([np.mean(np.concatenate(
-                [s["dur"][s["sm"] == x] for s in group])) for x in sms])
-            row["same_sm_slow"] = rank_corr(per(st[:half]), per(st[half:]))
+            first, second = sm_means(st[:half], sms), sm_means(st[half:], sms)
+            both = np.isfinite(first) & np.isfinite(second)  # SMs that ran units in both
+            row["same_sm_slow"] = rank_corr(first[both], second[both])
         rows[kind] = row
     return dict(B=B, T=T, kb=kb, G=G, tuning=str(tun), launches=len(b2b), bursts=len(burst),
                 **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in rows.items()})
