@@ -9,11 +9,25 @@
 #     for 2-bit G=128, 2-bit G=32, 4-bit G=128 and at B=32 T=32k / B=1 T=128k for 2-bit G=128,
 #     back to back and in bursts; its GPU test.
 #   bash bench/run122_card.sh
+#   PART=tail bash bench/run122_card.sh   # the probe alone (its first run in the call above
+#                                         # stopped on a bug in its summary), then back to back
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 M=XLA_PYTHON_CLIENT_MEM_FRACTION
 D=$(date +%F)
 Q="--query-gpu=name,uuid,serial,temperature.gpu,power.draw,power.limit,clocks.sm --format=csv"
+if [ "${PART:-}" = tail ]; then
+  R="$OUT/tail_${D}_run122.txt"
+  nvidia-smi $Q | tee "$R"
+  env $M=0.95 timeout 120 python3 bench/tail_probe.py --points 8x131072 --kbg 2:128,2:32,4:128 \
+    --calls 48 --out "$OUT/tail_${D}_run122a.json" 2>&1 | tee "$OUT/tail_a.log" | grep "^|" | tee -a "$R"
+  env $M=0.95 timeout 80 python3 bench/tail_probe.py --points 32x32768,1x131072 --kbg 2:128 \
+    --calls 48 --out "$OUT/tail_${D}_run122b.json" 2>&1 | tee "$OUT/tail_b.log" | grep "^|" | tee -a "$R"
+  env $M=0.95 timeout 60 python3 bench/clock_probe.py --point 8x131072 --kbg 2:128 --cudnn \
+    --variants "default" 2>&1 | grep -v Warn | tee -a "$R"
+  nvidia-smi $Q | tee -a "$R"
+  exit 0
+fi
 R="$OUT/card_${D}_run122.txt"
 nvidia-smi $Q | tee "$R"
 nvidia-smi --query-gpu=driver_version,vbios_version,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$R"

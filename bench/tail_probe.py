@@ -90,6 +90,28 @@ def rank_corr(a, b):
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def summarize(runs, back_to_back: bool):
+    """The medians over launches of `launch_stats` (runs: their `stamps`), the gap between
+    consecutive launches where they ran back to back, and the SMs' rank correlation."""
+    st = [launch_stats(*r) for r in runs]
+    row = {k: statistics.median(s[k] for s in st)
+           for k in ("span", "unit_min", "unit_med", "unit_max", "starts", "end_p50",
+                     "end_p90", "end_max", "idle", "sms")}
+    if back_to_back and len(runs) > 1:
+        gaps = []
+        for (s0, e0, _), (s1, _e1, _) in zip(runs[:-1], runs[1:], strict=True):
+            last_end = s0[0] + max((e0 - s0[0]) % WRAP)  # every end follows every start
+            gaps.append(((s1 - last_end) % WRAP).min() / 1e3)
+        row["gap"] = statistics.median(gaps)
+    half = len(st) // 2
+    if half >= 2:
+        sms = np.unique(np.concatenate([s["sm"] for s in st]))
+        first, second = sm_means(st[:half], sms), sm_means(st[half:], sms)
+        both = np.isfinite(first) & np.isfinite(second)  # SMs that ran units in both
+        row["same_sm_slow"] = rank_corr(first[both], second[both])
+    return {k: round(float(v), 4) for k, v in row.items()}
+
+
 def probe(B, T, kb, G, calls, bursts, Hq=32, Hkv=8, D=128):
     qb = da.quant_bytes(B, Hkv, D, T, kb, kb, G)
     L = da.layers_for(qb)
@@ -111,27 +133,9 @@ def probe(B, T, kb, G, calls, bursts, Hq=32, Hkv=8, D=128):
     burst = []
     for i in range(bursts):  # each after a host sync
         burst.append(stamps(jax.block_until_ready(f(metas[i % L], *args[1:]))[1]))
-    rows = {}
-    for kind, runs in (("back to back", b2b), ("bursts", burst)):
-        st = [launch_stats(*r) for r in runs]
-        row = {k: statistics.median(s[k] for s in st)
-               for k in ("span", "unit_min", "unit_med", "unit_max", "starts", "end_p50",
-                         "end_p90", "end_max", "idle", "sms")}
-        if kind == "back to back":
-            gaps = []
-            for (s0, e0, _), (s1, _e1, _) in zip(runs[:-1], runs[1:], strict=True):
-                last_end = s0[0] + max((e0 - s0[0]) % WRAP)
-                gaps.append(((s1 - last_end) % WRAP).min() / 1e3)
-            row["gap"] = statistics.median(gaps)
-        half = len(st) // 2
-        if half >= 2:
-            sms = np.unique(np.concatenate([s["sm"] for s in st]))
-            first, second = sm_means(st[:half], sms), sm_means(st[half:], sms)
-            both = np.isfinite(first) & np.isfinite(second)  # SMs that ran units in both
-            row["same_sm_slow"] = rank_corr(first[both], second[both])
-        rows[kind] = row
-    return dict(B=B, T=T, kb=kb, G=G, tuning=str(tun), launches=len(b2b), bursts=len(burst),
-                **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in rows.items()})
+    rows = {"back to back": summarize(b2b, True), "bursts": summarize(burst, False)}
+    return dict(B=B, T=T, kb=kb, G=G, tuning=str(tun), n_back_to_back=len(b2b),
+                n_bursts=len(burst), **rows)
 
 
 def main():

@@ -34,3 +34,15 @@ def test_rank_corr():
     a = np.array([1.0, 2.0, 3.0, 4.0])
     assert tail_probe.rank_corr(a, a * 10) == 1.0
     assert tail_probe.rank_corr(a, -a) == -1.0
+
+
+def test_summarize_back_to_back_gaps_and_same_sm():
+    # four launches on three SMs, each 100 us, 10 us apart; SM 1 always the slowest
+    runs = []
+    for i in range(4):
+        o = i * 110.0
+        runs.append(_units([o, o + 1, o], [o + 90, o + 100, o + 80], [0, 1, 2], 7))
+    r = tail_probe.summarize(runs, True)
+    assert abs(r["gap"] - 10) < 1e-6 and abs(r["span"] - 100) < 1e-6
+    assert r["same_sm_slow"] == 1.0 and r["sms"] == 3
+    assert "gap" not in tail_probe.summarize(runs, False)
