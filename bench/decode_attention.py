@@ -105,23 +105,36 @@ def per_call(t, L, nbytes):
     return dict(ms=1e3 * t / n, TBps=nbytes * n / t / 1e12, bytes=nbytes, L=L, rounds=ROUNDS)
 
 
-def kivi_fn(L, kw, tuning, alt=False):
-    """ROUNDS x all L layers in a fori_loop with a traced layer index, as the model's layer
-    scan does."""
-    def run(q, nt, *cache):
-        def body(i, acc):
-            layer = i % L
-            if alt:
-                o, _ = kd._kivi_decode(q, cache, nt, layer, **kw, tuning=tuning, interpret=False,
-                                       stage_smem=False, alt_layout=True)
-            else:
-                o, _ = kd.kivi_decode(q, *cache, nt, layer, **kw, tuning=tuning)
-            return acc + o
-        return jax.lax.fori_loop(0, ROUNDS * L, body, jnp.zeros(q.shape, jnp.float32))
+def kivi_fn(L, kw, tuning, alt=False, loop="fori"):
+    """ROUNDS x all L layers. loop="fori": one fori_loop iteration per call with a traced layer
+    index, as the model's layer scan does; "layers": a fori_loop over the ROUNDS whose body
+    runs the L layers unrolled (static layer index), each call's query through an
+    optimization barrier tied to the previous call's output, as `fp16_fn(loop="layers")`."""
+    def call(q, nt, cache, layer):
+        if alt:
+            return kd._kivi_decode(q, cache, nt, layer, **kw, tuning=tuning, interpret=False,
+                                   stage_smem=False, alt_layout=True)[0]
+        return kd.kivi_decode(q, *cache, nt, layer, **kw, tuning=tuning)[0]
+
+    def run(q0, nt, *cache):
+        zero = jnp.zeros(q0.shape, jnp.float32)
+        if loop == "fori":
+            return jax.lax.fori_loop(
+                0, ROUNDS * L, lambda i, acc: acc + call(q0, nt, cache, i % L), zero)
+
+        def one_round(i, acc):
+            for layer in range(L):
+                q, acc = jax.lax.optimization_barrier((q0, acc))  # no hoisting, no CSE
+                acc = acc + call(q, nt, cache, layer)
+            return acc
+        return jax.lax.fori_loop(0, ROUNDS, one_round, zero)
     return jax.jit(run)
 
 
-def fp16_fn(L, impl):
+def fp16_fn(L, impl, loop="rounds"):
+    """ROUNDS x all L layers: a fori_loop over the ROUNDS, the L layers unrolled in its body
+    (distinct buffers, static indices); the query through an optimization barrier tied to
+    the accumulator once per round ("rounds") or before every call ("layers")."""
     def run(q0, ks, vs):
         return jax.lax.fori_loop(0, ROUNDS, functools.partial(one_round, q0, ks, vs),
                                  jnp.zeros(q0.shape, jnp.float32))
@@ -129,6 +142,8 @@ def fp16_fn(L, impl):
     def one_round(q0, ks, vs, i, acc):
         q, acc = jax.lax.optimization_barrier((q0, acc))  # not loop-invariant: no hoisting
         for layer in range(L):
+            if loop == "layers" and layer:
+                q, acc = jax.lax.optimization_barrier((q0, acc))
             if impl == "cudnn":
                 o = jax.nn.dot_product_attention(q, ks[layer], vs[layer], implementation="cudnn")
             else:  # XLA einsum, GQA by reshaping the query heads
@@ -187,7 +202,8 @@ def check(out_rows):
     return ok_all
 
 
-def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15, alt=False):
+def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15, alt=False,
+                loop="fori"):
     qb = quant_bytes(B, Hkv, D, T, kb, vb, G)
     L = layers_for(qb)
     # alt "vrows": the value codes as unblocked rows [.., D, T/Pv] (the layout before run 109)
@@ -202,7 +218,7 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
     q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
     nt = jnp.full((B,), T, jnp.int32)
     kw = dict(key_bits=kb, value_bits=vb, group_size=G, sm_scale=1 / math.sqrt(D))
-    t, _ = time_layers(kivi_fn(L, kw, tun, alt), (q, nt, *cache), reps=reps)
+    t, _ = time_layers(kivi_fn(L, kw, tun, alt, loop), (q, nt, *cache), reps=reps)
     del cache
     return dict(kind=label + ("-altlayout" if alt else ""), B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kb=kb,
                 vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
@@ -247,9 +263,9 @@ def fp16_inputs(B, Hq, Hkv, D, T):
     return L, nbytes, (q, ks, vs)
 
 
-def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15):
+def bench_fp16(B, Hq, Hkv, D, T, impl, reps=15, loop="rounds"):
     L, nbytes, args = fp16_inputs(B, Hq, Hkv, D, T)
-    t, _ = time_layers(fp16_fn(L, impl), args, reps=reps)
+    t, _ = time_layers(fp16_fn(L, impl, loop), args, reps=reps)
     del args
     return dict(kind=impl, B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, **per_call(t, L, nbytes))
 

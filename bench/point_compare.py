@@ -32,6 +32,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure cuDNN and every variant this many times in turn (drift "
                          "between them then shows as spread, not as a bias of one)")
+    ap.add_argument("--kivi_loops", default="fori",
+                    help="the kernel's loop structures (decode_attention.kivi_fn: fori, layers)")
+    ap.add_argument("--cudnn_loops", default="rounds",
+                    help="cuDNN's loop structures (decode_attention.fp16_fn: rounds, layers)")
     ap.add_argument("--prev", default="",
                     help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()
@@ -46,8 +50,10 @@ def main():
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")
     for pt in (p for p in a.points.split(",") for _ in range(a.rounds)):
         B, T = map(int, pt.split("x"))
-        cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10)
-        print(f"| {B} | {T} | fp16 | | cuDNN | | {cud['ms']:.4f} | 1.00 |", flush=True)
+        for cl in a.cudnn_loops.split(","):
+            cud = da.bench_fp16(B, Hq, Hkv, D, T, "cudnn", reps=10, loop=cl)
+            tag = "" if a.cudnn_loops == "rounds" else f" ({cl})"
+            print(f"| {B} | {T} | fp16 | | cuDNN{tag} | | {cud['ms']:.4f} | 1.00 |", flush=True)
         for kbg in a.kbg.split(","):
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
@@ -62,12 +68,15 @@ def main():
                     base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
                                                group_size=G)
                     tun = base if flags == "default" else da.override(base, flags)
-                    r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10,
-                                       alt="vrows" if vrows else False)
+                    for kl in a.kivi_loops.split(","):
+                        r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10,
+                                           alt="vrows" if vrows else False, loop=kl)
+                        tag = "" if a.kivi_loops == "fori" else f" ({kl})"
+                        print(f"| {B} | {T} | {kb} | {G} | {var}{tag} | {tun.wg_per_block}, "
+                              f"{tun.num_splits} | {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |",
+                              flush=True)
                 finally:
                     da.kd = kd
-                print(f"| {B} | {T} | {kb} | {G} | {var} | {tun.wg_per_block}, {tun.num_splits} "
-                      f"| {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
