@@ -224,6 +224,15 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
                 vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
 
 
+def points_kbg(points: str, kbg: str):
+    """(B, T, bits, G) over the bench scripts' "BxT,.." and "bits:G,.." lists, points outer."""
+    for p in points.split(","):
+        B, T = map(int, p.split("x"))
+        for x in kbg.split(","):
+            kb, G = map(int, x.split(":"))
+            yield B, T, kb, G
+
+
 def override(tun, flags: str):
     """tun with "name=value,..." TuningConfig overrides (bench scripts' --flags): ints and bools
     as integers, strings as given."""

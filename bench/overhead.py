@@ -115,13 +115,10 @@ def main():
     ap.add_argument("--kbg", default="2:128,2:32,4:128", help="bits:G list")
     a = ap.parse_args()
     out = []
-    for pt in a.points.split(","):
-        B, T = map(int, pt.split("x"))
-        for kbg in a.kbg.split(","):
-            kb, G = map(int, kbg.split(":"))
-            r, tun = point(B, T, kb, G)
-            out.append((B, T, kb, G, tun, r))
-            print(B, T, kb, G, {k: round(v, 4) for k, v in r.items()}, flush=True)
+    for B, T, kb, G in da.points_kbg(a.points, a.kbg):
+        r, tun = point(B, T, kb, G)
+        out.append((B, T, kb, G, tun, r))
+        print(B, T, kb, G, {k: round(v, 4) for k, v in r.items()}, flush=True)
     names = list(out[0][5])
     print("| B | T | bits | G | W, S | " + " | ".join(names) + " | full - kernel |")
     print("|---" * (6 + len(names)) + "|")

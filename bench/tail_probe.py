@@ -148,13 +148,10 @@ def main():
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     res = []
-    for p in a.points.split(","):
-        B, T = map(int, p.split("x"))
-        for kbg in a.kbg.split(","):
-            kb, G = map(int, kbg.split(":"))
-            r = probe(B, T, kb, G, a.calls, a.bursts)
-            print(json.dumps(r), flush=True)
-            res.append(r)
+    for B, T, kb, G in da.points_kbg(a.points, a.kbg):
+        r = probe(B, T, kb, G, a.calls, a.bursts)
+        print(json.dumps(r), flush=True)
+        res.append(r)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)
