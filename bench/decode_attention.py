@@ -224,6 +224,19 @@ def bench_point(B, Hq, Hkv, D, T, kb, vb, G, tuning=None, label="kivi", reps=15,
                 vb=vb, G=G, tuning=str(tun), **per_call(t, L, qb))
 
 
+def kernel_inputs(B, T, kb, G, Hq=32, Hkv=8, D=128):
+    """The kernel-alone scripts' operands at a point (bench/overhead.py, tail_probe.py,
+    gap_trace.py): (L, cache, choose_tuning's tuning, q, num_tokens, kernel kwargs), the
+    layers and seeds as `bench_point`'s."""
+    L = layers_for(quant_bytes(B, Hkv, D, T, kb, kb, G))
+    cache = make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, kb, G)
+    tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
+    nt = jnp.full((B,), T, jnp.int32)
+    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+    return L, cache, tun, q, nt, kw
+
+
 def points_kbg(points: str, kbg: str):
     """(B, T, bits, G) over the bench scripts' "BxT,.." and "bits:G,.." lists, points outer."""
     for p in points.split(","):

@@ -80,13 +80,8 @@ def main():
     B, T = map(int, a.point.split("x"))
     kb, G = map(int, a.kbg.split(":"))
     Hq, Hkv, D = 32, 8, 128
-    L = da.layers_for(da.quant_bytes(B, Hkv, D, T, kb, kb, G))
+    L, cache, tun, q, nt, kw = da.kernel_inputs(B, T, kb, G, Hq, Hkv, D)
     n = da.ROUNDS * L
-    cache = da.make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, kb, G)
-    tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
-    nt = jnp.full((B,), T, jnp.int32)
-    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
     kern, args, _ = kd._kernel_call(q, cache, nt, jnp.int32(0), **kw, tuning=tun,
                                     interpret=False, stage_smem=False)
     kj = jax.jit(kern)

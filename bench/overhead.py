@@ -20,7 +20,6 @@ Then the number of GPU kernels (fusions, custom calls) in the compiled loop body
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -54,13 +53,7 @@ def loop(L, body, init):
 
 
 def point(B, T, kb, G, Hq=32, Hkv=8, D=128, reps=10):
-    qb = da.quant_bytes(B, Hkv, D, T, kb, kb, G)
-    L = da.layers_for(qb)
-    cache = da.make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, kb, G)
-    tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
-    nt = jnp.full((B,), T, jnp.int32)
-    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+    L, cache, tun, q, nt, kw = da.kernel_inputs(B, T, kb, G, Hq, Hkv, D)
     ck = dict(**kw, tuning=tun, interpret=False, stage_smem=False)
     rows = {}
 

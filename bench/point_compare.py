@@ -35,7 +35,8 @@ def main():
     ap.add_argument("--kivi_loops", default="fori",
                     help="the kernel's loop structures (decode_attention.kivi_fn: fori, layers)")
     ap.add_argument("--cudnn_loops", default="rounds",
-                    help="cuDNN's loop structures (decode_attention.fp16_fn: rounds, layers)")
+                    help="cuDNN's loop structures (decode_attention.fp16_fn: rounds, layers); "
+                         "the kernel's x cuDNN is against the last one listed")
     ap.add_argument("--prev", default="",
                     help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -113,15 +112,9 @@ def summarize(runs, back_to_back: bool):
 
 
 def probe(B, T, kb, G, calls, bursts, Hq=32, Hkv=8, D=128):
-    qb = da.quant_bytes(B, Hkv, D, T, kb, kb, G)
-    L = da.layers_for(qb)
-    cache = da.make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, kb, G)
-    tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+    L, cache, tun, q, nt, kw = da.kernel_inputs(B, T, kb, G, Hq, Hkv, D)
     tun = dataclasses.replace(tun, trace=True)
-    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
-    nt = jnp.full((B,), T, jnp.int32)
-    kern, args, _ = kd._kernel_call(q, cache, nt, jnp.int32(0), key_bits=kb, value_bits=kb,
-                                    group_size=G, sm_scale=1 / math.sqrt(D), tuning=tun,
+    kern, args, _ = kd._kernel_call(q, cache, nt, jnp.int32(0), **kw, tuning=tun,
                                     interpret=False, stage_smem=False)
     f = jax.jit(kern)
     metas = [args[0].at[0].set(i % L) for i in range(L)]

@@ -150,7 +150,7 @@ from pallas_kernels.sm90_fragments import (
     _bias_rows,
     _code_field8,
     _code_field8_reference,
-    _copy_stamps,
+    _copy_stamp,
     _dense_rows,
     _f8_field_spec,
     _field_offset,
@@ -1594,7 +1594,7 @@ def _make_kernel(
             lse_s[...] = jnp.where(ok, lse, -jnp.inf)
             if tuning.trace:  # start, end and SM id over the padded heads' columns
                 _wg_sync(interpret)
-                _copy_stamps(own("trace_s"), lse_s, (NP - 3,))
+                _copy_stamp(own("trace_s"), lse_s, NP - 3)
                 _stamp(lse_s, NP - 2)
                 _stamp(lse_s, NP - 1, smid=True)
             plgpu.commit_smem()

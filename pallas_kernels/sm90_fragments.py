@@ -1104,18 +1104,17 @@ def _stamp(ref, col: int, smid: bool = False):
     store(ref)
 
 
-def _copy_stamps(src, dst, cols):
-    """Diagnostics (`TuningConfig.trace`): one thread of the warpgroup copies src[i] to
-    dst[cols[i]] (f32 SMEM vectors of the warpgroup): the start stamps into the lse tile.
-    The caller orders it after the warpgroup's own stores to dst (`_wg_sync`). Not
+def _copy_stamp(src, dst, col: int):
+    """Diagnostics (`TuningConfig.trace`): one thread of the warpgroup copies src[0] to
+    dst[col] (f32 SMEM vectors of the warpgroup): the start stamp into the lse tile. The
+    caller orders it after the warpgroup's own stores to dst (`_wg_sync`). Not
     interpretable."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def copy(_, s, d):
         f1 = ir.VectorType.get((1,), ir.F32Type.get())
         with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
-            for i, c in enumerate(cols):
-                vector.store(vector.load(f1, s, [_idx(_i32(i))]), d, [_idx(_i32(c))])
+            vector.store(vector.load(f1, s, [_idx(_i32(0))]), d, [_idx(_i32(col))])
 
     copy(src, dst)
 
