@@ -163,6 +163,8 @@ from pallas_kernels.sm90_fragments import (
     _halves,
     _halves_const,
     _lazy_rescale,
+    _MAX_CLUSTER,
+    _merge_splits,
     _merge_warp_rows,
     _mma,
     _mma_rhs,
@@ -390,6 +392,18 @@ class TuningConfig:
       back to back at the power cap, even in bursts (runs 118-119; 760 -> ~724 instructions
       per step); at G = 32, whose block spans two steps, 5% slower: `choose_tuning` sets it
       at 2-bit G = 128 with four warpgroups.
+    merge_splits: merge the splits of a row inside the kernel instead of in XLA after it
+      (`merge_partials`' three fusions and their launches, ~4.6 us of a 0.19 ms call at the
+      anchor, run 124): the S = C W splits of a row run as one cluster of C blocks of W
+      warpgroups, each warpgroup leaves its partial in its own SMEM, and once all have
+      arrived at a cluster barrier warpgroup 0 of block 0 merges them over distributed shared
+      memory (`_merge_splits`) and writes the row's output; the other blocks wait for it at a
+      second barrier before they exit (their SMEM must outlive the reads). Where W divides S
+      and C <= 8 (the portable cluster size); elsewhere ignored (the XLA merge). The
+      interpreter merges one block's splits only (C = 1), with jnp. Not with trace.
+    pdl: launch with programmatic dependent launch: the kernel waits for the preceding
+      kernels of its stream (griddepcontrol.wait) before its first global read, so that its
+      launch and the blocks' set-up overlap their tail. Native only.
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
     dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it
@@ -429,6 +443,8 @@ class TuningConfig:
     pack_planes: bool = False
     pack_zeros: bool = False
     dense_bias: bool = False
+    merge_splits: bool = False
+    pdl: bool = False
     trace: bool = False
 
     def __post_init__(self):
@@ -595,6 +611,17 @@ def _dense_bias(tuning: TuningConfig, group_size: int, head_dim: int, interpret,
                 and tuning.block_tokens <= tuning.sub_tokens
                 and _BIAS_ROWS * group_size % tuning.block_tokens == 0
                 and (tokens is None or tokens // group_size >= _BIAS_ROWS))
+
+
+def _merge_cluster(tuning: TuningConfig, interpret, alt_layout: bool = False) -> int:
+    """Blocks per cluster of the in-kernel split merge (`merge_splits`): S / W where W divides
+    S and at most `_MAX_CLUSTER` blocks hold a row (one under the interpreter, which has no
+    distributed shared memory); 0 where the XLA merge (`merge_partials`) runs instead."""
+    W, S = tuning.wg_per_block, tuning.num_splits
+    if not tuning.merge_splits or tuning.trace or alt_layout or S % W:
+        return 0
+    C = S // W
+    return C if C <= (1 if interpret else _MAX_CLUSTER) else 0
 
 
 def _min_block(key_bits: int, value_bits: int) -> int:
@@ -812,6 +839,7 @@ def _make_kernel(
     # dense_bias: the key minimums leave the pipeline for 16-group blocks of their own
     db = _dense_bias(tuning, G, D, interpret, Tq) and not alt_layout and not stage_smem
     n_g = TS // G  # key groups per step
+    C = _merge_cluster(tuning, interpret, alt_layout)  # merge_splits: blocks per row
     bias_steps = _BIAS_ROWS * G // TS if db else 0  # steps per minimums block
 
     # Pipelined inputs: (block shape, dtype, SMEM transforms, axis of the block index).
@@ -838,7 +866,9 @@ def _make_kernel(
     n_in = 4 if alt_layout else 6
     piped = [j for j in range(n_in) if not (db and j == 2)]  # the pipeline's inputs
 
-    def kivi_decode_sm90(meta_g, q_g, *refs):
+    def kivi_decode_sm90(layer_g, nt_g, q_g, *refs):
+        if tuning.pdl and not interpret:  # the preceding kernels' outputs are visible after it
+            plgpu.griddepcontrol_wait()
         gmem = refs[:n_in]
         o_g, lse_g, *scratch_refs = refs[n_in:]
         sc = dict(zip(scratch_names, scratch_refs, strict=True))
@@ -868,8 +898,8 @@ def _make_kernel(
                     return _wg_max_open(x, red_s)
                 return red(x, "max")
 
-            layer = meta_g[0]
-            n = jnp.minimum(meta_g[1 + b], Tq)
+            layer = layer_g[0]
+            n = jnp.minimum(nt_g[b], Tq)
             first = s * steps_per_split
             start = first * TS
             nsteps = jnp.clip(
@@ -1597,12 +1627,42 @@ def _make_kernel(
                 _copy_stamp(own("trace_s"), lse_s, NP - 3)
                 _stamp(lse_s, NP - 2)
                 _stamp(lse_s, NP - 1, smid=True)
+            if C:
+                merge(wg, b, h, lax.div(s, jnp.int32(W)), o_s, lse_s)
+                return
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, s])
             plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, s])
             plgpu.wait_smem_to_gmem(0)
 
-        if W > 1:  # unit u = (b, h, s) of this warpgroup; the last block may have idle ones
+        def merge(wg, b, h, c, o_s, lse_s):
+            """merge_splits: the row's partials meet in block 0 (c), warpgroup 0 merges them
+            into its own tiles and writes the row; blocks c > 0 stay until it has read them."""
+            _wg_sync(interpret)  # every thread's o_s / lse_s stores before the arrival
+            plgpu.barrier_arrive(sc["ready"])
+            lead = c == 0
+            if W > 1:
+                lead = lead & (wg == 0)
+
+            @pl.when(lead)
+            def _():
+                plgpu.barrier_wait(sc["ready"])
+                _merge_splits(sc["o_s"], sc["lse_s"], W=W, C=C, interpret=interpret)
+                _wg_sync(interpret)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h])
+                plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h])
+                plgpu.wait_smem_to_gmem(0)
+
+            if C > 1:  # each block's warpgroup 0 arrives once, block 0's after its reads
+                pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sc["done"]))
+                pl.when(c != 0)(lambda: plgpu.barrier_wait(sc["done"]))
+
+        if C:  # one cluster of C blocks per row (b, h); split s = c W + wg
+            wg = lax.axis_index("wg") if W > 1 else 0
+            r, c = lax.axis_index("row"), lax.axis_index("c")
+            unit(wg, lax.div(r, jnp.int32(Hkv)), lax.rem(r, jnp.int32(Hkv)), c * W + wg)
+        elif W > 1:  # unit u = (b, h, s) of this warpgroup; the last block may have idle ones
             wg = lax.axis_index("wg")
             u = lax.axis_index("blk") * W + wg
             b, h, s = lax.div(u, Hkv * S), lax.rem(lax.div(u, S), Hkv), lax.rem(u, S)
@@ -1646,20 +1706,30 @@ def _make_kernel(
         scratch["kb_s"] = plgpu.SMEM(per_wg(_BIAS_ROWS, 4, NP), jnp.float32)
         scratch["kz_bar"] = (plgpu.Barrier(num_arrivals=1, num_barriers=W) if W > 1 else
                              plgpu.Barrier(num_arrivals=1))
+    if C:  # merge_splits: every warpgroup's partial ready; block 0's reads done
+        scratch["ready"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=W)
+        if C > 1:
+            scratch["done"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1)
     if tuning.trace:  # the unit's start stamp (diagnostics)
         scratch["trace_s"] = plgpu.SMEM(per_wg(8), jnp.float32)
     if not interpret:  # the cross-warp reductions' scratch (`_wg_reduce`, `_wg_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(_red_scratch(NP)), jnp.float32)
     scratch_names = list(scratch)
-    if W > 1:
-        grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), num_threads=W,
-                    thread_name="wg")
+    threads = dict(num_threads=W, thread_name="wg") if W > 1 else {}
+    if C:
+        grid = dict(grid=(B * Hkv,), grid_names=("row",), cluster=(C,), cluster_names=("c",),
+                    **threads)
+        parts = ()  # the merged row
+    elif W > 1:
+        grid = dict(grid=(-(-B * Hkv * S // W),), grid_names=("blk",), **threads)
+        parts = (S,)
     else:
         grid = dict(grid=(B, Hkv, S), grid_names=("b", "h", "s"))
+        parts = (S,)
     return plgpu.kernel(
         kivi_decode_sm90,
-        out_type=(jax.ShapeDtypeStruct((B, Hkv, S, D, NP), jnp.float32),
-                  jax.ShapeDtypeStruct((B, Hkv, S, NP), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, *parts, D, NP), jnp.float32),
+                  jax.ShapeDtypeStruct((B, Hkv, *parts, NP), jnp.float32)),
         **grid,
         scratch_types=list(scratch.values()),
         compiler_params=plgpu.CompilerParams(approx_math=True,
@@ -1749,8 +1819,11 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
         q, cache, num_tokens, layer, key_bits=key_bits, value_bits=value_bits,
         group_size=group_size, sm_scale=sm_scale, tuning=tuning, interpret=interpret,
         stage_smem=stage_smem, alt_layout=alt_layout)
-    o_parts, lse_parts = kern(*args)
-    o, lse = merge_partials(o_parts, lse_parts)  # [B, Hkv, NP, D], [B, Hkv, NP]
+    o, lse = kern(*args)
+    if _merge_cluster(tuning, interpret, alt_layout):  # merged in the kernel: [B, Hkv, D, NP]
+        o = jnp.swapaxes(o, -1, -2)
+    else:
+        o, lse = merge_partials(o, lse)  # [B, Hkv, NP, D], [B, Hkv, NP]
     rows = value_channel_order(tuning, group_size, q.shape[-1], interpret, stage_smem)
     if rows is not None and not alt_layout:  # fold_v_warp: output rows in the warps' order
         o = jnp.take(o, np.argsort(rows), axis=-1)
@@ -1762,6 +1835,7 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
                  tuning, interpret, stage_smem, alt_layout=False):
     """The kernel of `_kivi_decode` and its operands: (kern, args, query heads per kv head);
     kern(*args) -> (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge
+    (with merge_splits where it applies, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP]))
     (bench/overhead.py times it alone)."""
     if alt_layout:  # benchmark-only layout experiment; shapes as in `to_alt_layout`
         B, Hq, D = q.shape
@@ -1796,8 +1870,9 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
     if pack and not tuning.pack_zeros:  # q's heads also in columns 4-7 (zero padding): B
         qf = qf + jnp.roll(qf, 4, axis=3)  # for both planes
-    meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
-                            jnp.asarray(num_tokens, jnp.int32).reshape(B)])
+    # the layer and the row lengths as operands of their own: no concatenation to run per call
+    layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(B)
     if not alt_layout:
         k_codes, k_scale, k_min, v_codes, v_scale, v_min = cache
         vch = min(tuning.block_tokens, 256)
@@ -1808,7 +1883,7 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
                         pack=pack, vblock=not alt_layout and cache[3].ndim == 6)
-    return kern, (meta, qf, *cache), nq
+    return kern, (layer1, num_tokens, qf, *cache), nq
 
 
 def to_alt_layout(k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, value_bits, vch=256):

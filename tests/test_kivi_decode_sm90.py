@@ -207,6 +207,7 @@ def _cross_lower(case):
     for m in modules:
         bad = splat_register_casts(m)
         assert not bad, f"{len(bad)} splat constants cast into registers: {bad[:2]}"
+    return modules
 
 
 def splat_register_casts(module_asm: str) -> list[str]:
@@ -1178,3 +1179,81 @@ def test_gpu_unblocked_value_codes_give_the_same_bits(kbg):
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **{
         k: v for k, v in kw.items() if k != "tuning"})
     compare(*a, ro, rlse, TOL[jnp.dtype(jnp.bfloat16)])
+
+
+# merge_splits: the row's splits merged inside the kernel (one cluster of C blocks per row).
+# The interpreter merges one block's splits (S = W, C = 1), rows of no tokens included.
+MERGE_CASES = [
+    (2, 8, 1, 128, 512, 4, 4, 32, jnp.float16, (512, 65), 2,
+     TW(256, 2, 2, wg_per_block=2, merge_splits=True)),
+    (2, 8, 2, 128, 512, 2, 2, 128, jnp.bfloat16, (300, 0), 1,
+     TC(256, 2, 2, fold_k=True, wg_per_block=2, merge_splits=True)),
+    (2, 4, 2, 64, 512, 2, 2, 64, jnp.float16, (450, 200), 0, TC(256, 1, 2, merge_splits=True)),
+]
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[f"W{c[-1].wg_per_block}-K{c[5]}-G{c[7]}"
+                                                   for c in MERGE_CASES])
+def test_interpret_merge_splits_matches_reference(case):
+    assert kd._merge_cluster(case[-1], plgpu.InterpretGPUParams()) == 1
+    _run_case(case, seed=5, interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+def test_merge_splits_gating_and_cross_lowering():
+    """merge_splits applies where W divides S and the row's C = S / W blocks fit a portable
+    cluster (one block under the interpreter), not with trace; elsewhere the XLA merge runs.
+    choose_tuning's anchor launches lower for sm_90 with it and pdl (the merge's distributed
+    shared memory reads and griddepcontrol.wait in the module)."""
+    on = lambda **kw: TC(merge_splits=True, **kw)
+    assert kd._merge_cluster(on(num_splits=8, wg_per_block=4), False) == 2
+    assert kd._merge_cluster(on(num_splits=8, wg_per_block=1), False) == 8
+    assert kd._merge_cluster(on(num_splits=16, wg_per_block=1), False) == 0  # past 8 blocks
+    assert kd._merge_cluster(on(num_splits=6, wg_per_block=4), False) == 0  # W does not divide
+    assert kd._merge_cluster(on(num_splits=8, wg_per_block=4), plgpu.InterpretGPUParams()) == 0
+    assert kd._merge_cluster(on(num_splits=4, wg_per_block=4, trace=True), False) == 0
+    assert kd._merge_cluster(TC(num_splits=8, wg_per_block=4), False) == 0
+    B, Hq, Hkv, D, Tq = 1, 32, 8, 128, 2048
+    for kb, G in ((2, 128), (2, 32), (4, 128)):
+        tun = dataclasses.replace(kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb,
+                                                   group_size=G), merge_splits=True, pdl=True)
+        assert kd._merge_cluster(tun, False) > 1
+        mods = _cross_lower((B, Hq, Hkv, D, Tq, kb, kb, G, jnp.float16, [Tq - 100], 0, tun))
+        assert any("ld.shared::cluster" in m and "griddepcontrol.wait" in m for m in mods)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("kbg", ["2:128", "2:32", "4:128"])
+@pytest.mark.parametrize("flags", [dict(merge_splits=True), dict(merge_splits=True, pdl=True),
+                                   dict(pdl=True)], ids=["merge", "merge-pdl", "pdl"])
+def test_gpu_merge_splits_and_pdl(kbg, flags):
+    """choose_tuning's anchor launches (clusters of 2, 2 and 8 blocks per row) with the
+    in-kernel merge and/or PDL, on poisoned outputs over ragged lengths (an empty row, empty
+    splits): the XLA merge's outputs to float32 rounding (the merge's ex2/lg2.approx), the
+    reference within the dtype's bound, the same bits run to run; pdl alone changes no bit."""
+    kb, G = map(int, kbg.split(":"))
+    B, Hq, Hkv, D, Tq = 4, 32, 8, 128, 16384
+    base = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    tun = dataclasses.replace(base, **flags)
+    q, nt = make_q(7, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 0, 7001, 255], jnp.int32)
+    cache = make_cache(kb * G + 1, 2, B, Hkv, D, Tq, kb, kb, G)
+    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+
+    def run(t):
+        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
+        del poison
+        return jax.block_until_ready(jax.jit(lambda *c: kd.kivi_decode(
+            q, *c, nt, jnp.int32(1), **kw, tuning=t))(*cache))
+
+    (o, lse), (o2, lse2), (xo, xlse) = run(tun), run(tun), run(base)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    if flags.get("merge_splits"):
+        assert kd._merge_cluster(tun, False) > 1
+        np.testing.assert_allclose(np.asarray(o), np.asarray(xo), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(xlse), rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(xo))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(xlse))
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **kw)
+    compare(o, lse, ro, rlse, TOL[jnp.dtype(jnp.bfloat16)])
