@@ -166,6 +166,7 @@ from pallas_kernels.sm90_fragments import (
     _MAX_CLUSTER,
     _merge_splits,
     _merge_warp_rows,
+    _q_tile,
     _mma,
     _mma_rhs,
     _natural_bytes,
@@ -404,6 +405,10 @@ class TuningConfig:
     pdl: launch with programmatic dependent launch: the kernel waits for the preceding
       kernels of its stream (griddepcontrol.wait) before its first global read, so that its
       launch and the blocks' set-up overlap their tail. Native only.
+    q_prologue: the query's prologue (the scale in float32, the fp16 cast, the widen8
+      contraction order, the padded heads) inside the kernel from the caller's q (`_q_tile`)
+      instead of one XLA fusion before each launch (~1.8 us, run 124). Native only, on the
+      widen8 path (one key chunk).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
     dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it
@@ -445,6 +450,7 @@ class TuningConfig:
     dense_bias: bool = False
     merge_splits: bool = False
     pdl: bool = False
+    q_prologue: bool = False
     trace: bool = False
 
     def __post_init__(self):
@@ -624,6 +630,13 @@ def _merge_cluster(tuning: TuningConfig, interpret, alt_layout: bool = False) ->
     return C if C <= (1 if interpret else _MAX_CLUSTER) else 0
 
 
+def _q_in_kernel(tuning: TuningConfig, interpret, group_size: int, head_dim: int) -> bool:
+    """Whether the kernel takes the caller's q and runs its prologue itself (`q_prologue`):
+    natively on the widen8 path with one key chunk."""
+    return (tuning.q_prologue and _uses_widen8(tuning, interpret)
+            and _key_chunks(tuning, head_dim, group_size) == 1)
+
+
 def _min_block(key_bits: int, value_bits: int) -> int:
     return PLANE * max(8 // key_bits, 8 // value_bits)
 
@@ -777,7 +790,11 @@ def choose_tuning(
 def _make_kernel(
     *, B, Hkv, NP, D, Tq, L, key_bits, value_bits, G, tuning: TuningConfig, stage_smem: bool,
     interpret, alt_layout: bool = False, pack: bool = False, vblock: bool = False,
+    nq: int = 0, q_scale: float | None = None,
 ):
+    """The kernel for one launch shape. q_scale (with nq, the query heads per kv head): the
+    kernel takes the caller's q [B, Hkv, nq, D] and runs its prologue itself (`q_prologue`);
+    None: q comes prepared [B, Hkv, KCH, NP, D / KCH] fp16 (`_kernel_call`)."""
     TS, S, stages = tuning.block_tokens, tuning.num_splits, tuning.stages
     Pk, Pv = 8 // key_bits, 8 // value_bits
     SUB = min(TS, tuning.sub_tokens)  # tokens per compute sub-step (one fori_loop iteration)
@@ -916,8 +933,14 @@ def _make_kernel(
             if tuning.trace:  # the unit's start (diagnostics)
                 _stamp(own("trace_s"), 0)
 
-            plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
-            plgpu.barrier_wait(bar)
+            if q_scale is not None:  # q_prologue
+                _q_tile(q_g.at[b, h], q_s.at[0], nq=nq, scale=q_scale,
+                        dup=pack and not tuning.pack_zeros)
+                _wg_sync(interpret)
+                plgpu.commit_smem()
+            else:
+                plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+                plgpu.barrier_wait(bar)
             if mmk:  # q^T as mma.sync's B operand: registers, loop-invariant
                 qb = [_mma_rhs(q_s.at[c].T, interpret) for c in range(KCH)]
 
@@ -1859,6 +1882,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
     sm_scale = sm_scale * float(np.log2(np.e))
+    pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
+    qin = not alt_layout and _q_in_kernel(tuning, interpret, group_size, D)
     qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     qf = qf.astype(_MMA_DTYPE)
@@ -1867,9 +1892,10 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
     kch = _key_chunks(tuning, D, group_size)
     qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
-    pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
     if pack and not tuning.pack_zeros:  # q's heads also in columns 4-7 (zero padding): B
         qf = qf + jnp.roll(qf, 4, axis=3)  # for both planes
+    if qin:  # the kernel's own prologue (q_prologue) from the caller's q
+        qf = q.reshape(B, Hkv, nq, D)
     # the layer and the row lengths as operands of their own: no concatenation to run per call
     layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
     num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(B)
@@ -1882,7 +1908,8 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     kern = _make_kernel(B=B, Hkv=Hkv, NP=NP, D=D, Tq=Tq, L=L, key_bits=key_bits,
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
-                        pack=pack, vblock=not alt_layout and cache[3].ndim == 6)
+                        pack=pack, vblock=not alt_layout and cache[3].ndim == 6,
+                        nq=nq, q_scale=sm_scale if qin else None)
     return kern, (layer1, num_tokens, qf, *cache), nq
 
 

@@ -1332,7 +1332,8 @@ def _merge_splits(o_all, lse_all, *, W: int, C: int, interpret):
             k = arith.addi(tid, _i32(128 * i))
             off = arith.muli(k, _i32(16))  # bytes into a [D, NP] tile
             col = arith.muli(arith.remui(arith.muli(k, _i32(4)), _i32(NP)), _i32(4))  # bytes
-            ls = [load(l_base, arith.addi(col, _i32(w * NP * 4)), c) for c, w in splits]
+            if i == 0 or 512 % NP:  # (chunks 128 apart share their columns where NP | 512)
+                ls = [load(l_base, arith.addi(col, _i32(w * NP * 4)), c) for c, w in splits]
             os_ = [load(o_base, arith.addi(off, _i32(w * D * NP * 4)), c) for c, w in splits]
             out_o, out_l = [], []
             for e in range(4):
@@ -1358,3 +1359,74 @@ def _merge_splits(o_all, lse_all, *, W: int, C: int, interpret):
                 llvm.store(v, mgpu_utils.getelementptr(l_base, [col], i8), alignment=16)
 
     merge(o_all, lse_all)
+
+
+def _q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
+    """The query's prologue inside the kernel (`TuningConfig.q_prologue`): the nq query heads
+    of one kv head, q_ref [nq, D] bf16/fp16 in GMEM, to the key product's B tile q_s [NP, D]
+    fp16 (tiling (8, 64), 128-byte swizzle): times `scale` in float32, in the `_PERM16`
+    contraction order of the widen8 code tiles, rows nq.. zero (dup, pack_planes without
+    pack_zeros: rows 4-7 repeat rows 0-3). What `_kernel_call` otherwise does in XLA before the
+    launch, one fusion per call. Thread t takes one 16-column block of one row (NP D / 16 of
+    them): two 16-byte loads, the words 0, 2, 4, 6 of the block to its first output chunk and
+    1, 3, 5, 7 to its second (the order `_PERM16` puts the column pairs in). The caller orders
+    the stores before the tile's readers (`_wg_sync`, `commit_smem` for wgmma). Native only."""
+    NP, D = q_s.shape[-2:]
+    blocks = D // 16
+    dt = q_ref.dtype
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=_swz(jnp.float16, 64))))
+    def prologue(_, src, dst):
+        i8, i32, f32 = (ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32),
+                        ir.F32Type.get())
+        v4 = ir.VectorType.get((4,), i32)
+        e2 = ir.VectorType.get((2,), ir.BF16Type.get() if dt == jnp.bfloat16 else ir.F16Type.get())
+        h2, f2 = ir.VectorType.get((2,), ir.F16Type.get()), ir.VectorType.get((2,), f32)
+        sc = arith.constant(f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, scale)))
+        zero = arith.constant(v4, ir.DenseElementsAttr.get_splat(v4, ir.IntegerAttr.get(i32, 0)))
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        src_base, dst_base = mgpu_utils.memref_ptr(src), mgpu_utils.memref_ptr(dst)
+
+        def conv(w):  # two q elements -> fp16(scale * x) as one word
+            x = arith.extf(f2, vector.bitcast(e2, vector.broadcast(ir.VectorType.get((1,), i32), w)))
+            y = arith.truncf(h2, arith.mulf(x, sc))
+            return vector.extract(vector.bitcast(ir.VectorType.get((1,), i32), y),
+                                  dynamic_position=[], static_position=[0])
+
+        for i in range(-(-NP * blocks // 128)):
+            k = arith.addi(tid, _i32(128 * i))
+            r, cb = arith.divui(k, _i32(blocks)), arith.remui(k, _i32(blocks))
+            src_r = arith.subi(r, _i32(4)) if dup else r
+            live = arith.cmpi(arith.CmpIPredicate.ult, r, _i32(nq))
+            if dup:  # rows 4-7 from rows 0-3
+                live_dup = arith.andi(arith.cmpi(arith.CmpIPredicate.uge, r, _i32(4)),
+                                      arith.cmpi(arith.CmpIPredicate.ult, src_r, _i32(nq)))
+                src_row = arith.select(live, r, src_r)
+                live = arith.ori(live, live_dup)
+            else:
+                src_row = r
+            src_row = arith.minui(src_row, _i32(nq - 1))  # (a dead row reads a live one)
+            in_range = arith.cmpi(arith.CmpIPredicate.ult, k, _i32(NP * blocks))
+            r8 = arith.andi(r, _i32(7))
+            tile0 = arith.addi(arith.muli(arith.shrui(r, _i32(3)), _i32(D // 64)),
+                               arith.shrui(cb, _i32(2)))  # 64 columns = 4 blocks per tile
+            with mgpu_utils.when(in_range):
+                words = []
+                off = arith.muli(arith.addi(arith.muli(src_row, _i32(D)),
+                                            arith.muli(cb, _i32(16))), _i32(2))
+                for half in range(2):
+                    at = mgpu_utils.getelementptr(src_base, [arith.addi(off, _i32(16 * half))],
+                                                  i8)
+                    x = arith.select(live, llvm.load(v4, at, alignment=16), zero)
+                    words += [vector.extract(x, dynamic_position=[], static_position=[j])
+                              for j in range(4)]
+                words = [conv(w) for w in words]
+                for half in range(2):  # output chunk 2 (cb % 4) + half of the row's 64-col tile
+                    ch = arith.addi(arith.muli(arith.andi(cb, _i32(3)), _i32(2)), _i32(half))
+                    byte = arith.addi(arith.addi(arith.muli(tile0, _i32(1024)),
+                                                 arith.muli(r8, _i32(128))),
+                                      arith.muli(arith.xori(ch, r8), _i32(16)))
+                    out = vector.from_elements(v4, [words[2 * j + half] for j in range(4)])
+                    llvm.store(out, mgpu_utils.getelementptr(dst_base, [byte], i8), alignment=16)
+
+    prologue(q_ref, q_s)

@@ -1224,13 +1224,15 @@ def test_merge_splits_gating_and_cross_lowering():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("kbg", ["2:128", "2:32", "4:128"])
-@pytest.mark.parametrize("flags", [dict(merge_splits=True), dict(merge_splits=True, pdl=True),
-                                   dict(pdl=True)], ids=["merge", "merge-pdl", "pdl"])
+@pytest.mark.parametrize("flags", [
+    dict(merge_splits=True), dict(merge_splits=True, pdl=True, q_prologue=True), dict(pdl=True),
+    dict(q_prologue=True)], ids=["merge", "merge-pdl-q", "pdl", "q"])
 def test_gpu_merge_splits_and_pdl(kbg, flags):
     """choose_tuning's anchor launches (clusters of 2, 2 and 8 blocks per row) with the
-    in-kernel merge and/or PDL, on poisoned outputs over ragged lengths (an empty row, empty
-    splits): the XLA merge's outputs to float32 rounding (the merge's ex2/lg2.approx), the
-    reference within the dtype's bound, the same bits run to run; pdl alone changes no bit."""
+    in-kernel merge, PDL and/or the in-kernel q prologue, on poisoned outputs over ragged
+    lengths (an empty row, empty splits): the XLA merge's outputs to float32 rounding (the
+    merge's ex2/lg2.approx), the reference within the dtype's bound, the same bits run to run;
+    pdl and q_prologue alone change no bit (the same fp16 q tile as XLA's prologue)."""
     kb, G = map(int, kbg.split(":"))
     B, Hq, Hkv, D, Tq = 4, 32, 8, 128, 16384
     base = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
