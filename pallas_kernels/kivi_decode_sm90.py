@@ -784,7 +784,19 @@ def choose_tuning(
     # block of two steps) slower, 0.2275 -> 0.2390. The same outputs bit for bit.
     dense = (pz and group_size == 128 and wg_per_block == 4
              and size(dataclasses.replace(out, dense_bias=True)) <= SMEM_LIMIT)
-    return dataclasses.replace(out, dense_bias=dense)
+    out = dataclasses.replace(out, dense_bias=dense)
+    # The splits merged in the kernel, with PDL and the query's prologue in it (the XLA work
+    # of a call down to the caller's own): where four warpgroups hold a 2-bit G = 128 row in
+    # at most two blocks of one wave, 2-bit G=128 at the anchor (clusters of two) in one
+    # process, three rounds each on two cards (runs 125-126): 0.1986/0.1991/0.1954 ->
+    # 0.1954/0.1918/0.1959 ms (merge and pdl), 0.1933/0.1946/0.1948 -> 0.1898/0.1925/0.1931
+    # (all three); with three warpgroups (2-bit G=32, clusters of two) 3% slower (0.2277/
+    # 0.2237 -> 0.2349/0.2302, merge and pdl), with one (clusters of four or eight, several
+    # waves: a block that is done waits for its row) 1-18% slower (run 125).
+    C = S // wg_per_block if S % wg_per_block == 0 else 0
+    fused = (key_bits == value_bits == 2 and group_size == 128 and wg_per_block == 4
+             and 1 <= C <= 2 and -(-bh * S // wg_per_block) <= num_sms)
+    return dataclasses.replace(out, merge_splits=fused, pdl=fused, q_prologue=fused)
 
 
 def _make_kernel(

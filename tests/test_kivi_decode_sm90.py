@@ -1137,6 +1137,8 @@ def test_gpu_trace_stamps_and_the_same_bits():
     at the anchor's W = 4 on one SM each."""
     kb, G, B, Hq, Hkv, D, Tq = 2, 128, 2, 32, 8, 128, 16384
     tun = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    # (trace keeps the XLA merge: the untraced launch's too, for the same bits)
+    tun = dataclasses.replace(tun, merge_splits=False)
     traced = dataclasses.replace(tun, trace=True)
     q, nt = make_q(5, B, Hq, D, jnp.float16), jnp.asarray([Tq, 9001], jnp.int32)
     cache = make_cache(11, 2, B, Hkv, D, Tq, kb, kb, G)
@@ -1235,7 +1237,9 @@ def test_gpu_merge_splits_and_pdl(kbg, flags):
     pdl and q_prologue alone change no bit (the same fp16 q tile as XLA's prologue)."""
     kb, G = map(int, kbg.split(":"))
     B, Hq, Hkv, D, Tq = 4, 32, 8, 128, 16384
-    base = kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G)
+    base = dataclasses.replace(  # the XLA merge and prologue, no PDL
+        kd.choose_tuning(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G),
+        merge_splits=False, pdl=False, q_prologue=False)
     tun = dataclasses.replace(base, **flags)
     q, nt = make_q(7, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 0, 7001, 255], jnp.int32)
     cache = make_cache(kb * G + 1, 2, B, Hkv, D, Tq, kb, kb, G)
