@@ -141,6 +141,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.sm90_fragments import (
     _CACHE_BLOCK,
+    _MAX_CLUSTER,
     _RESCALE_SLACK,
     _VSUB_C,
     _VW_C,
@@ -163,15 +164,14 @@ from pallas_kernels.sm90_fragments import (
     _halves,
     _halves_const,
     _lazy_rescale,
-    _MAX_CLUSTER,
     _merge_splits,
     _merge_warp_rows,
-    _q_tile,
     _mma,
     _mma_rhs,
     _natural_bytes,
     _pipeline,
     _plane_tokens,
+    _q_tile,
     _red_scratch,
     _row_half,
     _rows_of,
@@ -411,7 +411,8 @@ class TuningConfig:
       widen8 path (one key chunk).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
-    dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; warp_softmax off where it
+    dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; merge_splits, pdl and
+    q_prologue at 2-bit G=128 with four warpgroups in one wave; warp_softmax off where it
     does not pay);
     the launch parameters (num_splits, wg_per_block) are a generic starting point:
     `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8;

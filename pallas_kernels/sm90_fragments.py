@@ -1343,7 +1343,8 @@ def _merge_splits(o_all, lse_all, *, W: int, C: int, interpret):
                 ws = [asm1("ex2.approx.ftz.f32", arith.mulf(arith.subf(x[e], safe), cst(log2e)))
                       for x in ls]
                 tot = functools.reduce(arith.addf, ws)
-                acc = functools.reduce(arith.addf, [arith.mulf(w, o[e]) for w, o in zip(ws, os_)])
+                acc = functools.reduce(arith.addf, [
+                    arith.mulf(w, o[e]) for w, o in zip(ws, os_, strict=True)])
                 ok = arith.cmpf(arith.CmpFPredicate.OGT, tot, cst(0.0))
                 out_o.append(arith.select(ok, arith.divf(acc, tot), cst(0.0)))
                 lg = arith.addf(safe, arith.mulf(asm1("lg2.approx.ftz.f32", tot), cst(ln2)))
@@ -1375,12 +1376,14 @@ def _q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
     blocks = D // 16
     dt = q_ref.dtype
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=_swz(jnp.float16, 64))))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
+                                  plgpu.RefType(transforms=_swz(jnp.float16, 64))))
     def prologue(_, src, dst):
         i8, i32, f32 = (ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32),
                         ir.F32Type.get())
         v4 = ir.VectorType.get((4,), i32)
-        e2 = ir.VectorType.get((2,), ir.BF16Type.get() if dt == jnp.bfloat16 else ir.F16Type.get())
+        e2 = ir.VectorType.get((2,), ir.BF16Type.get() if dt == jnp.bfloat16
+                               else ir.F16Type.get())
         h2, f2 = ir.VectorType.get((2,), ir.F16Type.get()), ir.VectorType.get((2,), f32)
         sc = arith.constant(f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, scale)))
         zero = arith.constant(v4, ir.DenseElementsAttr.get_splat(v4, ir.IntegerAttr.get(i32, 0)))
@@ -1388,7 +1391,8 @@ def _q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
         src_base, dst_base = mgpu_utils.memref_ptr(src), mgpu_utils.memref_ptr(dst)
 
         def conv(w):  # two q elements -> fp16(scale * x) as one word
-            x = arith.extf(f2, vector.bitcast(e2, vector.broadcast(ir.VectorType.get((1,), i32), w)))
+            x = vector.bitcast(e2, vector.broadcast(ir.VectorType.get((1,), i32), w))
+            x = arith.extf(f2, x)
             y = arith.truncf(h2, arith.mulf(x, sc))
             return vector.extract(vector.bitcast(ir.VectorType.get((1,), i32), y),
                                   dynamic_position=[], static_position=[0])
