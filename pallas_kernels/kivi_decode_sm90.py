@@ -794,7 +794,7 @@ def choose_tuning(
     # (all three); with three warpgroups (2-bit G=32, clusters of two) 3% slower (0.2277/
     # 0.2237 -> 0.2349/0.2302, merge and pdl), with one (clusters of four or eight, several
     # waves: a block that is done waits for its row) 1-18% slower (run 125).
-    C = S // wg_per_block if S % wg_per_block == 0 else 0
+    C = _merge_cluster(dataclasses.replace(out, merge_splits=True), False)
     fused = (key_bits == value_bits == 2 and group_size == 128 and wg_per_block == 4
              and 1 <= C <= 2 and -(-bh * S // wg_per_block) <= num_sms)
     return dataclasses.replace(out, merge_splits=fused, pdl=fused, q_prologue=fused)
@@ -1867,6 +1867,26 @@ def _kivi_decode(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
 
 
+def _q_operand(q, tuning, interpret, Hkv, NP, group_size, sm_scale, pack):
+    """q [B, Hq, D] -> the key product's B tiles [B, Hkv, KCH, NP, D / KCH] fp16: times sm_scale
+    in float32, the padded heads zero (pack_planes without pack_zeros: q's heads repeated in
+    columns 4-7), the widen8 contraction order. What `_q_tile` does inside the kernel with
+    q_prologue."""
+    B, Hq, D = q.shape
+    nq = Hq // Hkv
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
+    qf = qf.astype(_MMA_DTYPE)
+    if _uses_widen8(tuning, interpret):  # key tile channels in the _PERM16 order
+        qf = permute_contraction(qf)
+    # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
+    kch = _key_chunks(tuning, D, group_size)
+    qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
+    if pack and not tuning.pack_zeros:  # q's heads also in columns 4-7 (zero padding): B
+        qf = qf + jnp.roll(qf, 4, axis=3)  # for both planes
+    return qf
+
+
 def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale,
                  tuning, interpret, stage_smem, alt_layout=False):
     """The kernel of `_kivi_decode` and its operands: (kern, args, query heads per kv head);
@@ -1896,19 +1916,10 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
     sm_scale = sm_scale * float(np.log2(np.e))
     pack = not alt_layout and _packs_planes(tuning, group_size, D, nq, interpret)
-    qin = not alt_layout and _q_in_kernel(tuning, interpret, group_size, D)
-    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
-    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
-    qf = qf.astype(_MMA_DTYPE)
-    if _uses_widen8(tuning, interpret):  # key tile channels in the _PERM16 order
-        qf = permute_contraction(qf)
-    # Head-dim chunks of the key product as separate [NP, D/k] tiles (the wgmma B operands).
-    kch = _key_chunks(tuning, D, group_size)
-    qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, kch, D // kch), 2, 3)
-    if pack and not tuning.pack_zeros:  # q's heads also in columns 4-7 (zero padding): B
-        qf = qf + jnp.roll(qf, 4, axis=3)  # for both planes
-    if qin:  # the kernel's own prologue (q_prologue) from the caller's q
-        qf = q.reshape(B, Hkv, nq, D)
+    if not alt_layout and _q_in_kernel(tuning, interpret, group_size, D):
+        qf, q_scale = q.reshape(B, Hkv, nq, D), sm_scale  # the kernel's own prologue (`_q_tile`)
+    else:
+        qf, q_scale = _q_operand(q, tuning, interpret, Hkv, NP, group_size, sm_scale, pack), None
     # the layer and the row lengths as operands of their own: no concatenation to run per call
     layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
     num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(B)
@@ -1922,7 +1933,7 @@ def _kernel_call(q, cache, num_tokens, layer, *, key_bits, value_bits, group_siz
                         value_bits=value_bits, G=group_size, tuning=tuning,
                         stage_smem=stage_smem, interpret=interpret, alt_layout=alt_layout,
                         pack=pack, vblock=not alt_layout and cache[3].ndim == 6,
-                        nq=nq, q_scale=sm_scale if qin else None)
+                        nq=nq, q_scale=q_scale)
     return kern, (layer1, num_tokens, qf, *cache), nq
 
 
