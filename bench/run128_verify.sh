@@ -5,6 +5,7 @@
 #   PART=grid32 bash bench/run128_verify.sh  # the Hq=32 grid in one process; generation
 #   PART=grid64 bash bench/run128_verify.sh  # the Hq=64 grid in one process
 #   PART=ab bash bench/run128_verify.sh      # the anchor in two processes x 3 rounds; back to back
+#                                            # (run 128b: the same on the next call's card)
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KIVI_JAX_CACHE_DIR=/tmp/kc
 M=XLA_PYTHON_CLIENT_MEM_FRACTION
