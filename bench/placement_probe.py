@@ -8,8 +8,9 @@ inside one process:
     PYTHONPATH=. python3 bench/placement_probe.py --point 8x131072 --kbg 2:128 --allocs 4 \
         --rounds 3
 
-`--allocs` copies of the point's L-layer cache (the same values: `make_cache`'s seed), each
-allocated after a spacer buffer of another size so that the copies start at different
+`--allocs` copies of the point's L-layer cache (`decode_attention.kernel_inputs`'s, as the
+other kernel-alone scripts take it, and copies of it), each allocated after a spacer buffer of
+another size so that the copies start at different
 addresses, all kept alive; then `--rounds` rounds, each timing cuDNN fp16 once and every copy
 in turn with the benchmark's launch (`decode_attention.kivi_fn`, 16 x L calls, median of 10
 after 2 warm-ups). Prints each copy's buffer addresses (the key and value codes' offsets mod 2
@@ -20,7 +21,6 @@ copies well beyond the spread of one copy over the rounds says that placement ma
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -29,21 +29,19 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kivi_jax
 import decode_attention as da  # noqa: E402
-
-from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
 
 _MIB = 2**20
 
 
-def allocate(n, spacer_mib, make):
-    """n caches from make(), the i-th after a spacer of 1 + i * spacer_mib MiB (kept alive with
-    them, so that no copy reuses another's memory)."""
-    keep, caches = [], []
-    for i in range(n):
+def allocate(cache, n, spacer_mib):
+    """cache and n - 1 copies of it, the i-th after a spacer of 1 + i * spacer_mib MiB (kept
+    alive with them, so that no copy reuses another's memory)."""
+    keep, caches = [], [cache]
+    for i in range(1, n):
         keep.append(jnp.zeros(((1 + i * spacer_mib) * _MIB // 4,), jnp.float32))
-        caches.append(jax.block_until_ready(make()))
+        caches.append(jax.block_until_ready([jnp.copy(x) for x in cache]))
     return keep, caches
 
 
@@ -70,15 +68,10 @@ def main(argv=None):
     if a.allocs < 2 or a.rounds < 1:
         raise ValueError(f"need --allocs >= 2 and --rounds >= 1, got {a.allocs}, {a.rounds}")
     nbytes = da.quant_bytes(B, Hkv, D, T, kb, kb, G)
-    L = da.layers_for(nbytes)
-    tun = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G,
-                           q_heads=Hq // Hkv)
-    kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
+    L, cache, tun, q, nt, kw = da.kernel_inputs(B, T, kb, G, Hq, Hkv, D)
     fn = da.kivi_fn(L, kw, tun)
-    q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
-    nt = jnp.full((B,), T, jnp.int32)
-    make = lambda: da.make_cache(jax.random.key(B * 7 + T), L, B, Hkv, D, T, kb, kb, G)
-    _keep, caches = allocate(a.allocs, a.spacer_mib, make)
+    _keep, caches = allocate(cache, a.allocs, a.spacer_mib)
+    del cache
 
     print(f"B={B} T={T} Hq={Hq} bits={kb} G={G} L={L} W={tun.wg_per_block} "
           f"S={tun.num_splits}; {jax.devices()[0].device_kind}")
