@@ -153,6 +153,7 @@ from pallas_kernels.sm90_fragments import (
     _code_field8_reference,
     _copy_stamp,
     _dense_rows,
+    _exceed_vote,
     _f8_field_spec,
     _field_offset,
     _field_raw,
@@ -181,6 +182,7 @@ from pallas_kernels.sm90_fragments import (
     _store_p_perm,
     _swap_halves,
     _swz,
+    _votes_any,
     _warp_group_sum,
     _warp_groups,
     _warp_max,
@@ -409,10 +411,19 @@ class TuningConfig:
       contraction order, the padded heads) inside the kernel from the caller's q (`_q_tile`)
       instead of one XLA fusion before each launch (~1.8 us, run 124). Native only, on the
       widen8 path (one key chunk).
+    lazy_max: in the shared softmax with the subnormal value fold (natively), no cross-warp max
+      in the common step: the running max lags the true one by at most _RESCALE_SLACK (the
+      B bound takes the slack, as lazy_rescale's), each thread compares its scores with it and
+      the warps' votes (`_exceed_vote`) cross at the barrier that hands P over, P having been
+      computed against the running max; a step where some score passes it (the first, and
+      where the max grows by more than the slack) takes the exact exchange (`_wg_max_open`),
+      rescales, recomputes P and passes one more barrier. Exact either way (the sums and the
+      output share the one reference max); one warpgroup barrier per step fewer. The
+      pipeline's barrier then runs after every step (`_pipeline`'s sync_every).
     Not every default here is `choose_tuning`'s: it sets the flags that pay per shape (fold_k
     with the key product on mma.sync; release_slots, spread_copies, pack_planes, pack_zeros,
-    dense_bias, fold_v_warp and vec64 by bits, G and warpgroups; merge_splits, pdl and
-    q_prologue at 2-bit G=128 with four warpgroups in one wave; warp_softmax off where it
+    dense_bias, lazy_max, fold_v_warp and vec64 by bits, G and warpgroups; merge_splits, pdl
+    and q_prologue at 2-bit G=128 with four warpgroups in one wave; warp_softmax off where it
     does not pay);
     the launch parameters (num_splits, wg_per_block) are a generic starting point:
     `choose_tuning` sizes them per shape (at B=8, Hkv=8, T=128k, 2-bit G=128: W=4, S=8;
@@ -452,6 +463,7 @@ class TuningConfig:
     merge_splits: bool = False
     pdl: bool = False
     q_prologue: bool = False
+    lazy_max: bool = False
     trace: bool = False
 
     def __post_init__(self):
@@ -785,7 +797,13 @@ def choose_tuning(
     # block of two steps) slower, 0.2275 -> 0.2390. The same outputs bit for bit.
     dense = (pz and group_size == 128 and wg_per_block == 4
              and size(dataclasses.replace(out, dense_bias=True)) <= SMEM_LIMIT)
-    out = dataclasses.replace(out, dense_bias=dense)
+    # The common step's cross-warp max a vote at the P barrier (`lazy_max`): 2-bit G=128 with
+    # four warpgroups, in one process on card ce53e16b (run 132), three rounds each: the
+    # anchor 0.2083/0.2111/0.1967 -> 0.2006/0.1937/0.2002 ms, B=32 T=32k 0.2062/0.2126/0.2082
+    # -> 0.2039/0.2019/0.2048, back to back at the power cap 0.2127 -> 0.2067 (SM clock 1860
+    # -> 1890 MHz); the twin's error on ragged rows unchanged (9.07e-5).
+    lazy = pz and wg_per_block == 4
+    out = dataclasses.replace(out, dense_bias=dense, lazy_max=lazy)
     # The splits merged in the kernel, with PDL and the query's prologue in it (the XLA work
     # of a call down to the caller's own): where four warpgroups hold a 2-bit G = 128 row in
     # at most two blocks of one wave, 2-bit G=128 at the anchor (clusters of two) in one
@@ -844,7 +862,6 @@ def _make_kernel(
     # same branch of `_lazy_rescale`
     lazy_sh = (tuning.lazy_rescale and not wsm and not interpret and mmv and not f8v
                and not fvw and not (fv and not vsub) and not alt_layout)
-    slack = _RESCALE_SLACK if tuning.lazy_rescale and (wsm or lazy_sh) else 0.0
     per_warp = tuning.warp_groups and not interpret  # inline Mosaic GPU does not interpret
     w8 = _uses_widen8(tuning, interpret)
     # widen8: code tiles in the _PERM16 column order (q permuted to match outside the kernel)
@@ -866,6 +883,12 @@ def _make_kernel(
     own_pipe = W > 1 or no_auto  # `_pipeline`, else `plgpu.emit_pipeline`
     one_warp = tuning.copy_warp and not interpret  # in `_pipeline`
     release = one_warp and no_auto and tuning.release_slots  # `_pipeline`'s empty barriers
+    # lazy_max: the common step's cross-warp max is a vote at the P barrier (the shared
+    # softmax with the subnormal value fold, the kernel's own barriers)
+    lazy_mx = (tuning.lazy_max and not interpret and mmv and vsub and not wsm and not fvw
+               and not alt_layout and not lazy_sh and no_auto and tuning.skip != "values")
+    slack = (_RESCALE_SLACK if (tuning.lazy_rescale and (wsm or lazy_sh)) or lazy_mx
+             else 0.0)
     # dense_bias: the key minimums leave the pipeline for 16-group blocks of their own
     db = _dense_bias(tuning, G, D, interpret, Tq) and not alt_layout and not stage_smem
     n_g = TS // G  # key groups per step
@@ -1354,6 +1377,10 @@ def _make_kernel(
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
+                if lazy_mx:
+                    m_new, l_t, accs, zaccs = lazy_softmax(st, tmax, pre, m_run, l_t, accs,
+                                                           zaccs)
+                    return value_product(v, accs, zaccs, m_new, l_t, synced=True)
                 mx = loop_max(tmax)
                 if pk:  # a head's max over both halves (its even and odd planes)
                     mx = jnp.maximum(mx, _swap_halves(mx, interpret))
@@ -1423,12 +1450,20 @@ def _make_kernel(
                     pb = lambda p: p_s.at[p].T
                 if not mmv:  # wgmma reads P through the async proxy; mma.sync's loads do not
                     plgpu.commit_smem()  # (they need only the warpgroup barrier below)
+                return value_product(v, accs, zaccs, m_new, l_t, corr=corr, pb=pb)
+
+            def value_product(v, accs, zaccs, m_new, l_t, corr=None, pb=None, synced=False):
+                """The sub-step's value product over P in p_s (stored by every warp; synced:
+                the warpgroup barrier after its stores has passed) into accs."""
+                if pb is None:
+                    pb = lambda p: p_s.at[p].T
                 vt = (v_field8 if f8v else v_codes_sub if vsub else v_codes_warp if fvw else
                       functools.partial(v_codes, raw=True) if fv else v_tile)
                 vd = ex["vd8_s"] if f8v else vd_s
                 cache = {}
                 if mmv:  # P (stored by every warp) as each warp's B operand, in registers
-                    _wg_sync(interpret)
+                    if not synced:
+                        _wg_sync(interpret)
                     new = [zero() for _ in range(mtiles)] if f8v else list(accs)
                     vec = functools.partial(_warp_vec_load, groups=vw_groups, perm=True,
                                             wide=tuning.vec64, align4=True)
@@ -1503,6 +1538,54 @@ def _make_kernel(
                 if corr is not None:  # the code fields' offsets, subtracted every sub-step
                     accs = tuple(a + corr for a in accs)
                 return m_new, l_t, accs, zaccs
+
+            def lazy_softmax(st, tmax, pre, m_run, l_t, accs, zaccs):
+                """lazy_max: the sub-step's softmax update with P (B = P * s_t * c_p) computed
+                against the running max m_run and stored before anything crosses the warps;
+                each warp's vote on whether its scores pass m_run + slack (`_exceed_vote`)
+                crosses at the barrier that hands P over. If none does (the common step):
+                the sums, m_run kept. Else: the exact cross-warp max (`_wg_max_open`), the
+                rescale, P recomputed and stored again, one more barrier. Returns (m, l_t,
+                accs, zaccs) with P in p_s behind a barrier."""
+                def exps(m):
+                    out = []
+                    for p, x in enumerate(st):
+                        mv = (_halves(m - b_shift(2 * p), m - b_shift(2 * p + 1), interpret)
+                              if pk else m - b_shift(p))
+                        out.append(jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1])))
+                    return out
+
+                def sums(l_t, zacc, bs):
+                    for p, x in enumerate(bs):
+                        l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
+                    return l_t, zacc
+
+                def store(bs):
+                    for p in range(tiles):
+                        _store_tile(bs[p].astype(f16), p)
+
+                _exceed_vote(tmax, m_run, slack, red_s)
+                bs = exps(m_run)  # past m_run + slack (or m_run = -inf) redone below
+                store(bs)
+                _wg_sync(interpret)
+
+                def fast():
+                    l2, z2 = sums(l_t, zaccs[0], bs)
+                    return m_run, l2, accs, (z2,)
+
+                def slow():
+                    mx = loop_max(tmax)  # its barrier; the one below orders its reads
+                    if pk:  # a head's max over both halves (its even and odd planes)
+                        mx = jnp.maximum(mx, _swap_halves(mx, interpret))
+                    m_new = jnp.maximum(m_run, mx)
+                    ab = lax.broadcast_in_dim(jnp.exp2(m_run - m_new), (PLANE, NP), [1])
+                    bs2 = exps(m_new)
+                    l2, z2 = sums(l_t * ab, zaccs[0] * ab, bs2)
+                    store(bs2)
+                    _wg_sync(interpret)
+                    return m_new, l2, tuple(a * ab for a in accs), (z2,)
+
+                return lax.cond(_votes_any(red_s), slow, fast)
 
             def warp_sub_step(v, st, pre, carry):
                 """The softmax update and value product of a sub-step per warp (wsm): each
@@ -1613,7 +1696,7 @@ def _make_kernel(
                     sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=copy_warp, spread=tuning.spread_copies,
-                    no_copies=tuning.skip == "copies")
+                    no_copies=tuning.skip == "copies", sync_every=lazy_mx)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,

@@ -712,6 +712,48 @@ def _lazy_rescale(m_run, mw, xs, slack: float):
     return m_new, xs
 
 
+_FLAG_OFF = 256  # lazy_max: the warps' votes in the reduction scratch, past `_wg_max_open`'s
+
+
+def _exceed_vote(x, m_run, slack: float, scratch_ref):
+    """lazy_max: whether any of the warp's scores x (64, N) f32 (WGMMA layout) passes the
+    running max m_run (N,) (the warpgroup's, `_WG.reduce(0)`) by more than `slack`, or m_run is
+    still -inf (nothing seen): a compare per register against m_run + slack, one vote, and the
+    warp's 0.0 / 1.0 stored to scratch_ref[_FLAG_OFF + warp] for the warpgroup barrier that
+    follows (`_votes_any` reads the four). No shuffle and no barrier of its own: this is the
+    common step's whole cross-warp max. Not interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG, _WG.reduce(0), plgpu.RefType()))
+    def vote(_, xa, ma, ref):
+        i1, f32 = ir.IntegerType.get_signless(1), ir.F32Type.get()
+        m_regs = list(ma.registers.flat)
+        vty = ir.VectorType(m_regs[0].type)
+        splat = lambda v: vector.broadcast(vty, mgpu_utils.c(v, f32))
+        any_of = lambda c: vector.reduction(i1, vector.CombiningKind.OR, c)
+        pred = None
+        for m in m_regs:
+            p = any_of(arith.cmpf(arith.CmpFPredicate.OEQ, m, splat(-np.inf)))
+            pred = p if pred is None else arith.ori(pred, p)
+        lim = [arith.addf(m, splat(slack)) for m in m_regs]
+        for i, r in np.ndenumerate(xa.registers):
+            c0 = xa.layout.tiling.untile_indices(i)[1]
+            pred = arith.ori(pred, any_of(arith.cmpf(arith.CmpFPredicate.OGT, r, lim[c0 // 8])))
+        take = nvvm.vote_sync(_i32(0xFFFFFFFF), pred, "any")
+        val = arith.select(take, mgpu_utils.c(1.0, f32), mgpu_utils.c(0.0, f32))
+        _, warp = _lane_warp()
+        one = vector.broadcast(ir.VectorType.get((1,), f32), val)
+        vector.store(one, ref, [_idx(arith.addi(warp, _i32(_FLAG_OFF)))])
+
+    vote(x, m_run, scratch_ref)
+
+
+def _votes_any(scratch_ref):
+    """lazy_max: after the warpgroup barrier, whether some warp's `_exceed_vote` was 1 (a
+    scalar bool, the same in every thread)."""
+    return (scratch_ref[_FLAG_OFF] + scratch_ref[_FLAG_OFF + 1] + scratch_ref[_FLAG_OFF + 2]
+            + scratch_ref[_FLAG_OFF + 3]) > 0.0
+
+
 def _merge_warp_rows(accs, dst):
     """dst[16 m + i, n] += accs[m][16 w + i, n] for w = 0, 1, 2, 3 in that order (one warp at a
     time between warpgroup barriers, so that the sum is the same run to run): the per-warp
@@ -1132,7 +1174,7 @@ def _warp_sync():
 
 def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
               sync: bool = False, one_warp: bool = False, empty=None, issuer=None,
-              spread: bool = False, no_copies: bool = False):
+              spread: bool = False, no_copies: bool = False, sync_every: bool = False):
     """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
     own buffers): steps 0 .. nsteps-1 of `specs` (block shapes and index maps over `srcs`, GMEM)
     go through `bufs[j]` [stages, *block] with `barrier[wg * stages + slot]`; `step(idx,
@@ -1148,7 +1190,9 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     has read the slot, and only the issuing warp waits there before refilling it, in place of
     the warpgroup barrier (`TuningConfig.release_slots`). spread (with one_warp): copy j
     from warp (issuer + j) % 4, so that no warp computes more than two copies' coordinates
-    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`)."""
+    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`).
+    sync_every (with sync): the warpgroup barrier after every step, also the last `stages`
+    that refill nothing: the step's own hand-overs count on it (`TuningConfig.lazy_max`)."""
     def copies(i, slot, which=None):
         for j, (spec, src, buf) in enumerate(zip(specs, srcs, bufs, strict=True)):
             if which is not None and j not in which:
@@ -1160,7 +1204,7 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
     release = empty is not None  # the caller passes it only with one_warp and sync
 
     def fetch(i, slot, first=False):
-        if sync and not first and not release:
+        if sync and not first and not release and not sync_every:
             _wg_sync(False)
         if one_warp:
             def issue(which=None):
@@ -1192,6 +1236,8 @@ def _pipeline(step, specs, srcs, bufs, barrier, wg, stages: int, nsteps, carry,
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
         if release:
             plgpu.barrier_arrive(empty.at[wg * stages + slot])
+        if sync and sync_every and not release:
+            _wg_sync(False)
         pl.when(i + stages < nsteps)(lambda: fetch(i + stages, slot))
         return carry
 

@@ -1263,3 +1263,63 @@ def test_gpu_merge_splits_and_pdl(kbg, flags):
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(xlse))
     ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **kw)
     compare(o, lse, ro, rlse, TOL[jnp.dtype(jnp.bfloat16)])
+
+
+def test_lazy_max_gating_and_cross_lowering():
+    """lazy_max (the common step's cross-warp max a vote at the P barrier) applies natively in
+    the shared softmax with the subnormal value fold: choose_tuning's 2-bit G=128 anchor launch
+    lowers for sm_90 with it (the warps' vote in the module), with and without the in-kernel
+    merge. The interpreter ignores it: the same launch under the GPU interpreter matches the
+    reference."""
+    anchor = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
+    B, Hq, Hkv, D, Tq = 1, 32, 8, 128, 4096
+    for merge in (True, False):
+        tun = dataclasses.replace(anchor, lazy_max=True, merge_splits=merge, pdl=merge,
+                                  q_prologue=merge)
+        mods = _cross_lower((B, Hq, Hkv, D, Tq, 2, 2, 128, jnp.float16, [Tq - 100], 0, tun))
+        assert any("nvvm.vote.sync any" in m for m in mods)
+    assert anchor.lazy_max  # choose_tuning's since run 132
+    off = _cross_lower((B, Hq, Hkv, D, Tq, 2, 2, 128, jnp.float16, [Tq - 100], 0,
+                        dataclasses.replace(anchor, lazy_max=False)))
+    assert not any("nvvm.vote.sync any" in m for m in off)
+    small = TC(256, 2, 2, fold_k=True, wg_per_block=3, warp_softmax=False, pack_planes=True,
+               pack_zeros=True, lazy_max=True)
+    _run_case((2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2, small), seed=13,
+              interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "xla-merge"])
+def test_gpu_lazy_max(merge):
+    """lazy_max at choose_tuning's 2-bit G=128 anchor launch over key scales that grow along
+    the row (the running max passes its slack at later steps, not only the first: the exact
+    exchange, the rescale and P redone mid-row) and one late group whose scores jump, on
+    poisoned outputs over ragged lengths (an empty row, a partial last step): the reference
+    within the dtype's bound, the default kernel's output to fp16 rounding of P, the same bits
+    run to run."""
+    B, Hq, Hkv, D, Tq, G = 4, 32, 8, 128, 16384, 128
+    base = dataclasses.replace(
+        kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=G),
+        merge_splits=merge, pdl=merge, q_prologue=merge, lazy_max=False)
+    tun = dataclasses.replace(base, lazy_max=True)
+    kc, ks, km, *vals = make_cache(23, 2, B, Hkv, D, Tq, 2, 2, G)
+    ramp = np.linspace(1.0, 8.0, Tq // G, dtype=np.float32)
+    ramp[-20] = 24.0  # a late jump
+    ks = (ks.astype(jnp.float32) * ramp[None, None, None, :, None]).astype(jnp.float16)
+    cache = (kc, ks, km, *vals)
+    q, nt = make_q(9, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 0, 7001, 255], jnp.int32)
+    kw = dict(key_bits=2, value_bits=2, group_size=G, sm_scale=1 / math.sqrt(D))
+
+    def run(t):
+        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
+        del poison
+        return jax.block_until_ready(jax.jit(lambda *c: kd.kivi_decode(
+            q, *c, nt, jnp.int32(1), **kw, tuning=t))(*cache))
+
+    (o, lse), (o2, lse2), (bo, blse) = run(tun), run(tun), run(base)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    ro, rlse = kd.kivi_decode_reference(q, *cache, nt, jnp.int32(1), **kw)
+    compare(o, lse, ro, rlse, TOL[jnp.dtype(jnp.bfloat16)])
+    compare(o, lse, bo, blse, TOL[jnp.dtype(jnp.bfloat16)])
