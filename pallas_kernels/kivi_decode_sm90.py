@@ -51,9 +51,12 @@ without Mosaic's auto barriers (`_no_auto_barriers`), so a step's six TMA copies
 barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 1-6% at the
 anchor's 2-bit and 4-bit launches; with four warpgroups and unpacked planes the slots go back
 to that warp through an mbarrier, `release_slots`; with three the copies are dealt over the
-four warps, `spread_copies`, runs 73-76: 1-2%); the ragged-length mask runs only on a row's
-last sub-step; P is transposed in registers (`movmatrix`) and stored as
-32-bit words (`_store_p_perm`).
+four warps, `spread_copies`, runs 73-76: 1-2%); at 2-bit G=128 with four warpgroups the
+cross-warp max leaves the common sub-step (`lazy_max`, runs 132-134: the running max lags by
+at most a slack, each warp votes at P's barrier whether a score passed it, and only then is
+the max exchanged and P redone; 3-6% at the anchor); the ragged-length mask runs only on a
+row's last sub-step; P is transposed in registers (`movmatrix`) and stored as 32-bit words
+(`_store_p_perm`).
 
 The per-warp softmax (`TuningConfig.warp_softmax`, runs 59-65; `choose_tuning` takes it in
 one-warpgroup blocks over 16 or more steps per split: 4-bit G=128 at B=8 T=128k 3-6% faster):
