@@ -1223,6 +1223,23 @@ def test_merge_splits_gating_and_cross_lowering():
         assert any("ld.shared::cluster" in m and "griddepcontrol.wait" in m for m in mods)
 
 
+def _poisoned_runs(q, cache, nt, kw, tun, other):
+    """The kernel at layer 1 under `tun` twice (asserted the same bits) and under `other`, each
+    on outputs poisoned first: a NaN buffer filled and freed so that the allocator hands its
+    memory to the outputs, where an element the kernel fails to write shows up as NaN. Returns
+    ((o, lse) of tun, (o, lse) of other)."""
+    def run(t):
+        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
+        del poison
+        return jax.block_until_ready(jax.jit(lambda *c: kd.kivi_decode(
+            q, *c, nt, jnp.int32(1), **kw, tuning=t))(*cache))
+
+    (o, lse), (o2, lse2), theirs = run(tun), run(tun), run(other)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    return (o, lse), theirs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("kbg", ["2:128", "2:32", "4:128"])
@@ -1244,16 +1261,7 @@ def test_gpu_merge_splits_and_pdl(kbg, flags):
     q, nt = make_q(7, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 0, 7001, 255], jnp.int32)
     cache = make_cache(kb * G + 1, 2, B, Hkv, D, Tq, kb, kb, G)
     kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
-
-    def run(t):
-        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
-        del poison
-        return jax.block_until_ready(jax.jit(lambda *c: kd.kivi_decode(
-            q, *c, nt, jnp.int32(1), **kw, tuning=t))(*cache))
-
-    (o, lse), (o2, lse2), (xo, xlse) = run(tun), run(tun), run(base)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    (o, lse), (xo, xlse) = _poisoned_runs(q, cache, nt, kw, tun, base)
     if flags.get("merge_splits"):
         assert kd._merge_cluster(tun, False) > 1
         np.testing.assert_allclose(np.asarray(o), np.asarray(xo), rtol=1e-5, atol=1e-6)
@@ -1310,16 +1318,7 @@ def test_gpu_lazy_max(merge):
     cache = (kc, ks, km, *vals)
     q, nt = make_q(9, B, Hq, D, jnp.bfloat16), jnp.asarray([Tq, 0, 7001, 255], jnp.int32)
     kw = dict(key_bits=2, value_bits=2, group_size=G, sm_scale=1 / math.sqrt(D))
-
-    def run(t):
-        poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
-        del poison
-        return jax.block_until_ready(jax.jit(lambda *c: kd.kivi_decode(
-            q, *c, nt, jnp.int32(1), **kw, tuning=t))(*cache))
-
-    (o, lse), (o2, lse2), (bo, blse) = run(tun), run(tun), run(base)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
+    (o, lse), (bo, blse) = _poisoned_runs(q, cache, nt, kw, tun, base)
     # against the exact-max kernel (the same scores bit for bit; P rounded to fp16 against
     # another reference max, the sums in f32): o to fp16 rounding, lse to f32's
     compare(o, lse, bo, blse, TOL[jnp.dtype(jnp.bfloat16)])
