@@ -1398,15 +1398,8 @@ def _make_kernel(
                     ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
                     resc = lambda x: x * ab
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
-                    bs = []
-                    for p, x in enumerate(st):
-                        mv = (_halves(m_new - b_shift(2 * p), m_new - b_shift(2 * p + 1),
-                                      interpret) if pk else m_new - b_shift(p))
-                        mc = lax.broadcast_in_dim(mv, (PLANE, NP), [1])
-                        bs.append(jnp.exp2(x - mc))
-                    l_t, zacc = resc(l_t), resc(zaccs[0])
-                    for p, x in enumerate(bs):
-                        l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
+                    bs = lg_weights(st, m_new)
+                    l_t, zacc = lg_sums(resc(l_t), resc(zaccs[0]), bs, pre)
                     zaccs = (zacc,)
                 elif fvw:  # P of plane p stored as P * 2^(_VW_C - bits j)
                     ps = [jnp.exp2(x - lax.broadcast_in_dim(m_new - vw_const(p, False),
@@ -1542,6 +1535,24 @@ def _make_kernel(
                     accs = tuple(a + corr for a in accs)
                 return m_new, l_t, accs, zaccs
 
+            def lg_weights(st, m):
+                """lgmax: the value product's B = 2^(logit + log2 s_t - m + b_shift(p)) of
+                every score tile against the running max m (pk: planes 2t and 2t + 1 in the
+                tile's halves)."""
+                out = []
+                for p, x in enumerate(st):
+                    mv = (_halves(m - b_shift(2 * p), m - b_shift(2 * p + 1), interpret)
+                          if pk else m - b_shift(p))
+                    out.append(jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1])))
+                return out
+
+            def lg_sums(l_t, zacc, bs, pre):
+                """lgmax: the running sums of P = B * u and P * z_t = B * (z_t * u) (`val_prep`)
+                over the tiles' weights bs."""
+                for p, x in enumerate(bs):
+                    l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
+                return l_t, zacc
+
             def lazy_softmax(st, tmax, pre, m_run, l_t, accs, zaccs):
                 """lazy_max: the sub-step's softmax update with P (B = P * s_t * c_p) computed
                 against the running max m_run and stored before anything crosses the warps;
@@ -1550,30 +1561,17 @@ def _make_kernel(
                 the sums, m_run kept. Else: the exact cross-warp max (`_wg_max_open`), the
                 rescale, P recomputed and stored again, one more barrier. Returns (m, l_t,
                 accs, zaccs) with P in p_s behind a barrier."""
-                def exps(m):
-                    out = []
-                    for p, x in enumerate(st):
-                        mv = (_halves(m - b_shift(2 * p), m - b_shift(2 * p + 1), interpret)
-                              if pk else m - b_shift(p))
-                        out.append(jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1])))
-                    return out
-
-                def sums(l_t, zacc, bs):
-                    for p, x in enumerate(bs):
-                        l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
-                    return l_t, zacc
-
                 def store(bs):
                     for p in range(tiles):
                         _store_tile(bs[p].astype(f16), p)
 
                 _exceed_vote(tmax, m_run, slack, red_s)
-                bs = exps(m_run)  # past m_run + slack (or m_run = -inf) redone below
+                bs = lg_weights(st, m_run)  # past m_run + slack (or m_run = -inf) redone below
                 store(bs)
                 _wg_sync(interpret)
 
                 def fast():
-                    l2, z2 = sums(l_t, zaccs[0], bs)
+                    l2, z2 = lg_sums(l_t, zaccs[0], bs, pre)
                     return m_run, l2, accs, (z2,)
 
                 def slow():
@@ -1582,8 +1580,8 @@ def _make_kernel(
                         mx = jnp.maximum(mx, _swap_halves(mx, interpret))
                     m_new = jnp.maximum(m_run, mx)
                     ab = lax.broadcast_in_dim(jnp.exp2(m_run - m_new), (PLANE, NP), [1])
-                    bs2 = exps(m_new)
-                    l2, z2 = sums(l_t * ab, zaccs[0] * ab, bs2)
+                    bs2 = lg_weights(st, m_new)
+                    l2, z2 = lg_sums(l_t * ab, zaccs[0] * ab, bs2, pre)
                     store(bs2)
                     _wg_sync(interpret)
                     return m_new, l2, tuple(a * ab for a in accs), (z2,)
