@@ -71,7 +71,11 @@ def main():
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--cudnn", action="store_true", help="cuDNN fp16 decode attention too")
+    ap.add_argument("--prev", default="",
+                    help="earlier kernel module files (variants prev, prev2.. or prev:flags, "
+                         "as bench/point_compare.py)")
     a = ap.parse_args()
+    mods = da.prev_modules(a.prev)
     B, T = map(int, a.point.split("x"))
     Hq, Hkv, D = a.hq, 8, 128
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,"
@@ -93,10 +97,15 @@ def main():
         q = jax.random.normal(jax.random.key(1), (B, Hq, D), jnp.float32).astype(jnp.bfloat16)
         nt = jnp.full((B,), T, jnp.int32)
         kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
-        base = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
         for var in a.variants.split(";"):
-            tun = base if var == "default" else da.override(base, var)
-            t, rows = sampled(da.kivi_fn(L, kw, tun), (q, nt, *cache), a.seconds)
+            which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
+            da.kd = mods[which]  # kivi_fn runs the kernel of decode_attention's kd
+            try:
+                base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+                tun = base if flags in ("", "default") else da.override(base, flags)
+                t, rows = sampled(da.kivi_fn(L, kw, tun), (q, nt, *cache), a.seconds)
+            finally:
+                da.kd = kd
             report(f"{kb}-bit G={G} {var}", t, da.ROUNDS * L, rows)
         del cache
 

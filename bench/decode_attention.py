@@ -246,6 +246,22 @@ def points_kbg(points: str, kbg: str):
             yield B, T, kb, G
 
 
+def prev_modules(paths: str) -> dict:
+    """{"": this kernel module, "prev": .., "prev2": ..}: earlier kivi_decode_sm90.py files
+    (comma-separated, e.g. from `git show REV:pallas_kernels/kivi_decode_sm90.py`) loaded as
+    modules beside it, for an A/B of versions in one process (they import this checkout's
+    sm90_fragments)."""
+    import importlib.util
+
+    mods = {"": kd}
+    for i, path in enumerate(filter(None, paths.split(","))):
+        name = "prev" if i == 0 else f"prev{i + 1}"
+        spec = importlib.util.spec_from_file_location(f"kd_{name}", path)
+        mods[name] = sys.modules[f"kd_{name}"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])  # (dataclasses look their module up there)
+    return mods
+
+
 def override(tun, flags: str):
     """tun with "name=value,..." TuningConfig overrides (bench scripts' --flags): ints and bools
     as integers, strings as given."""

@@ -13,7 +13,6 @@ kernel with its own choose_tuning, for an A/B of versions in one process.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -40,12 +39,7 @@ def main():
     ap.add_argument("--prev", default="",
                     help="earlier kernel module files, comma-separated (variants prev, prev2..)")
     a = ap.parse_args()
-    mods = {"": kd}
-    for i, path in enumerate(filter(None, a.prev.split(","))):
-        name = "prev" if i == 0 else f"prev{i + 1}"
-        spec = importlib.util.spec_from_file_location(f"kd_{name}", path)
-        mods[name] = sys.modules[f"kd_{name}"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods[name])  # (dataclasses look their module up there)
+    mods = da.prev_modules(a.prev)
     Hq, Hkv, D = a.hq, 8, 128
     print(f"Hq={Hq}, Hkv={Hkv}, D={D}")
     print("| B | T | bits | G | variant | tuning (W, S) | ms | x cuDNN |")

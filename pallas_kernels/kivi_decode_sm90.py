@@ -156,7 +156,7 @@ from pallas_kernels.sm90_fragments import (
     _code_field8_reference,
     _copy_stamp,
     _dense_rows,
-    _exceed_vote,
+    _exceed_barrier,
     _f8_field_spec,
     _field_offset,
     _field_raw,
@@ -178,6 +178,7 @@ from pallas_kernels.sm90_fragments import (
     _q_tile,
     _red_scratch,
     _row_half,
+    _row_halves_load,
     _rows_of,
     _scale_rhs,
     _stamp,
@@ -185,7 +186,6 @@ from pallas_kernels.sm90_fragments import (
     _store_p_perm,
     _swap_halves,
     _swz,
-    _votes_any,
     _warp_group_sum,
     _warp_groups,
     _warp_max,
@@ -417,7 +417,7 @@ class TuningConfig:
     lazy_max: in the shared softmax with the subnormal value fold (natively), no cross-warp max
       in the common step: the running max lags the true one by at most _RESCALE_SLACK (the
       B bound takes the slack, as lazy_rescale's), each thread compares its scores with it and
-      the warps' votes (`_exceed_vote`) cross at the barrier that hands P over, P having been
+      the barrier that hands P over ORs the comparisons (`_exceed_barrier`), P having been
       computed against the running max; a step where some score passes it (the first, and
       where the max grows by more than the slack) takes the exact exchange (`_wg_max_open`),
       rescales, recomputes P and passes one more barrier. Exact either way (the sums and the
@@ -1015,7 +1015,9 @@ def _make_kernel(
                                                                pl.ds(voff(p), PLANE)]),
                         # planes p, p + 1 (p even; one value-scale chunk holds both)
                         vscale2=lambda p: (lambda g, n=0: vs_s.at[grows(g, n), vchunk(p),
-                                                                  pl.ds(voff(p), 2 * PLANE)]))
+                                                                  pl.ds(voff(p), 2 * PLANE)]),
+                        vmin2=lambda p: (lambda g, n=0: vz_s.at[grows(g, n), vchunk(p),
+                                                                pl.ds(voff(p), 2 * PLANE)]))
                 kc_s, ksz_s, vc_s, vsz_s = refs
                 vb = u * (SUB // (PLANE * Pv))
                 return dict(
@@ -1131,8 +1133,9 @@ def _make_kernel(
                                                       rows=True)
                         nb = pick(lambda p: plgpu.layout_cast(
                             jnp.full((PLANE,), -b_shift(p), f32), _WG.reduce(1)))
-                        out.append(terms(pick(lambda p: ld("vscale", p)),
-                                         pick(lambda p: ld("vmin", p)), nb))
+                        # both planes' vectors from one ref (they share a chunk: VCH >= 128)
+                        ld2 = lambda which, t=t: _row_halves_load(v[which](2 * t)(0), PLANE)
+                        out.append(terms(ld2("vscale2"), ld2("vmin2"), nb))
                     return out
                 out = [terms(ld("vscale", p), ld("vmin", p), -b_shift(p)) for p in range(planes)]
                 if pk:
@@ -1380,7 +1383,7 @@ def _make_kernel(
                 tmax = st[0]
                 for x in st[1:]:
                     tmax = jnp.maximum(tmax, x)
-                if lazy_mx:
+                if lazy_mx:  # m_run: (m + slack, the tiles' m - b_shift) (`lazy_state`)
                     m_new, l_t, accs, zaccs = lazy_softmax(st, tmax, pre, m_run, l_t, accs,
                                                            zaccs)
                     return value_product(v, accs, zaccs, m_new, l_t, synced=True)
@@ -1535,16 +1538,24 @@ def _make_kernel(
                     accs = tuple(a + corr for a in accs)
                 return m_new, l_t, accs, zaccs
 
-            def lg_weights(st, m):
+            def m_shifts(m):
+                """lgmax: m - b_shift(p) of every score tile (pk: planes 2t and 2t + 1 in the
+                tile's halves), for the running max m."""
+                return [(_halves(m - b_shift(2 * t), m - b_shift(2 * t + 1), interpret)
+                         if pk else m - b_shift(t)) for t in range(tiles)]
+
+            def lg_weights(st, m, mps=None):
                 """lgmax: the value product's B = 2^(logit + log2 s_t - m + b_shift(p)) of
-                every score tile against the running max m (pk: planes 2t and 2t + 1 in the
-                tile's halves)."""
-                out = []
-                for p, x in enumerate(st):
-                    mv = (_halves(m - b_shift(2 * p), m - b_shift(2 * p + 1), interpret)
-                          if pk else m - b_shift(p))
-                    out.append(jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1])))
-                return out
+                every score tile against the running max m (or its `m_shifts` mps)."""
+                mps = m_shifts(m) if mps is None else mps
+                return [jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1]))
+                        for x, mv in zip(st, mps, strict=True)]
+
+            def lazy_state(m):
+                """lazy_max: the loop's running-max state for the running max m: m + slack (the
+                vote's threshold) and the tiles' `m_shifts`, so that a common step forms
+                neither; m itself is thr - slack (in f32, to ~2^-24 of |m| + slack)."""
+                return (m + slack, *m_shifts(m))
 
             def lg_sums(l_t, zacc, bs, pre):
                 """lgmax: the running sums of P = B * u and P * z_t = B * (z_t * u) (`val_prep`)
@@ -1553,40 +1564,42 @@ def _make_kernel(
                     l_t, zacc = l_t + x * pre[p][1], zacc + x * pre[p][2]
                 return l_t, zacc
 
-            def lazy_softmax(st, tmax, pre, m_run, l_t, accs, zaccs):
+            def lazy_softmax(st, tmax, pre, mstate, l_t, accs, zaccs):
                 """lazy_max: the sub-step's softmax update with P (B = P * s_t * c_p) computed
-                against the running max m_run and stored before anything crosses the warps;
-                each warp's vote on whether its scores pass m_run + slack (`_exceed_vote`)
-                crosses at the barrier that hands P over. If none does (the common step):
-                the sums, m_run kept. Else: the exact cross-warp max (`_wg_max_open`), the
-                rescale, P recomputed and stored again, one more barrier. Returns (m, l_t,
-                accs, zaccs) with P in p_s behind a barrier."""
+                against the running max m and stored before anything crosses the warps; the
+                barrier that hands P over also ORs whether some score passes m + slack
+                (`_exceed_barrier`). If none does (the common step): the sums, the state kept.
+                Else: the exact cross-warp max (`_wg_max_open`), the rescale, P recomputed and
+                stored again, one more barrier. mstate: `lazy_state(m)`, carried so that a
+                common step forms neither the threshold nor the shifts. Returns (mstate,
+                l_t, accs, zaccs) with P in p_s behind a barrier."""
                 def store(bs):
                     for p in range(tiles):
                         _store_tile(bs[p].astype(f16), p)
 
-                _exceed_vote(tmax, m_run, slack, red_s)
-                bs = lg_weights(st, m_run)  # past m_run + slack (or m_run = -inf) redone below
+                thr, *mps = mstate
+                bs = lg_weights(st, None, mps)  # past thr (or m = -inf) redone below
                 store(bs)
-                _wg_sync(interpret)
+                exceed = _exceed_barrier(tmax, thr)  # the barrier after the stores
 
                 def fast():
                     l2, z2 = lg_sums(l_t, zaccs[0], bs, pre)
-                    return m_run, l2, accs, (z2,)
+                    return mstate, l2, accs, (z2,)
 
                 def slow():
                     mx = loop_max(tmax)  # its barrier; the one below orders its reads
                     if pk:  # a head's max over both halves (its even and odd planes)
                         mx = jnp.maximum(mx, _swap_halves(mx, interpret))
+                    m_run = thr - slack
                     m_new = jnp.maximum(m_run, mx)
                     ab = lax.broadcast_in_dim(jnp.exp2(m_run - m_new), (PLANE, NP), [1])
                     bs2 = lg_weights(st, m_new)
                     l2, z2 = lg_sums(l_t * ab, zaccs[0] * ab, bs2, pre)
                     store(bs2)
                     _wg_sync(interpret)
-                    return m_new, l2, tuple(a * ab for a in accs), (z2,)
+                    return lazy_state(m_new), l2, tuple(a * ab for a in accs), (z2,)
 
-                return lax.cond(_votes_any(red_s), slow, fast)
+                return lax.cond(exceed > 0, slow, fast)
 
             def warp_sub_step(v, st, pre, carry):
                 """The softmax update and value product of a sub-step per warp (wsm): each
@@ -1690,19 +1703,22 @@ def _make_kernel(
             srcs = [x.at[layer, b, h] for x in gmem]
             if db:  # the first minimums block (`bias_step` copies the others)
                 pl.when(nsteps > 0)(lambda: fetch_bias(0))
+            m_init = lazy_state(m0) if lazy_mx else m0
             if own_pipe:
                 m_run, l_t, accs, zaccs = _pipeline(
                     step, [specs[j] for j in piped], [srcs[j] for j in piped],
                     [sc[f"buf{j}"].at[wg] for j in piped],
-                    sc["pipe_bar"], wg, stages, nsteps, (m0, l0, a0, z0), sync=no_auto,
+                    sc["pipe_bar"], wg, stages, nsteps, (m_init, l0, a0, z0), sync=no_auto,
                     one_warp=one_warp, empty=sc["empty_bar"] if release else None,
                     issuer=copy_warp, spread=tuning.spread_copies,
                     no_copies=tuning.skip == "copies", sync_every=lazy_mx)
             else:
                 m_run, l_t, accs, zaccs = plgpu.emit_pipeline(
                     step, grid=(nsteps,), in_specs=specs, max_concurrent_steps=stages,
-                    init_carry=(m0, l0, a0, z0),
+                    init_carry=(m_init, l0, a0, z0),
                 )(*srcs)
+            if lazy_mx:
+                m_run = m_run[0] - slack
             if wsm:  # the warps' partial softmax states -> the warpgroup's
                 m_all = red(lax.broadcast_in_dim(m_run, (PLANE, NP), [1]), "max")
                 fw = lax.broadcast_in_dim(

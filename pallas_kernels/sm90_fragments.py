@@ -480,6 +480,33 @@ def _halves(lo, hi, interpret, rows: bool = False):
     return pick(lo, hi)
 
 
+def _row_halves_load(ref, n_half: int):
+    """`_halves(lo, hi, rows=True)` of two (64,) row vectors loaded from one SMEM ref: ref
+    holds lo at [0, 64) and hi at [n_half, n_half + 64), and the lanes of columns 0-3 read
+    lo's rows, those of 4-7 hi's (a lane-dependent vector, valid as `_halves`' rows). The
+    lane's offset (its rows and half) is loop-invariant, so that each load addresses the
+    step's buffer plus it (LDS [R + UR]) where the select between two loaded vectors left
+    ptxas computing and selecting both addresses every step (run 135's SASS). Not
+    interpretable."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((64,), ref.dtype,
+                                                          layout=_WG.reduce(1)))
+    def load(_, r):
+        lane, warp = _lane_warp()
+        row = arith.addi(arith.muli(warp, _i32(16)), arith.shrui(lane, _i32(2)))
+        half = arith.shrui(arith.andi(lane, _i32(2)), _i32(1))  # 1 in the lanes of 4-7
+        off = arith.addi(row, arith.muli(half, _i32(n_half)))
+        one = ir.VectorType.get((1,), ir.MemRefType(r.type).element_type)
+        lay = mgpu_fa.WGMMA_ROW_LAYOUT
+        regs = [vector.load(one, r, [_idx(arith.addi(off, _i32(8 * j)))]) for j in range(2)]
+        return mgpu_fa.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(lay.registers_shape((64,))),
+            _layout=lay, _is_signed=None)
+
+    return load(ref)
+
+
 def _halves_const(lo: float, hi: float, n: int, interpret):
     """The (n,) f32 vector (the WGMMA layout's reduce(0)) of lo in columns 0-3 and hi in 4-7
     (pack_planes), built in registers: constants passed into `_halves` stay splats that the
@@ -745,6 +772,40 @@ def _exceed_vote(x, m_run, slack: float, scratch_ref):
         vector.store(one, ref, [_idx(arith.addi(warp, _i32(_FLAG_OFF)))])
 
     vote(x, m_run, scratch_ref)
+
+
+def _exceed_barrier(x, thr):
+    """lazy_max: the warpgroup barrier that hands P over, which also reduces whether any of
+    the warpgroup's scores x (64, N) f32 (WGMMA layout) passes thr (N,) (`_WG.reduce(0)`: the
+    running max plus the slack): one compare per register, then `bar.red.or.pred` on the
+    warpgroup's named barrier (the barrier `_wg_sync` passes, with an OR over its threads'
+    predicates). Returns an int32 scalar, 1 or 0 and the same in every thread, for the branch
+    that follows. Against `_exceed_vote` + `_wg_sync` + `_votes_any`: no vote, no flag store,
+    no flag loads and sums. A running max still at -inf gives thr = -inf, which every finite
+    score passes (the first step of a split holds one). Not interpretable."""
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(_WG, _WG.reduce(0)),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=splat))
+    def vote(_, xa, ta):
+        t_regs = list(ta.registers.flat)
+        pred = None
+        for i, r in np.ndenumerate(xa.registers):  # scalar compares: ptxas chains FSETP.OR
+            t = t_regs[xa.layout.tiling.untile_indices(i)[1] // 8]
+            for j in range(ir.VectorType(r.type).shape[0]):
+                p = arith.cmpf(arith.CmpFPredicate.OGT, vector.extract(r, [], [j]),
+                               vector.extract(t, [], [j]))
+                pred = p if pred is None else arith.ori(pred, p)
+        out = mgpu_utils.inline_ptx(
+            "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, $2, 128, p; "
+            "selp.u32 $0, 1, 0, q; }",
+            arith.extui(ir.IntegerType.get_signless(32), pred),
+            mgpu_utils.warpgroup_barrier_idx(sync=False),
+            result_types=ir.IntegerType.get_signless(32), has_side_effects=True,
+            convergent=True)
+        return mgpu_fa.FragmentedArray.splat(out, (), is_signed=True)
+
+    return vote(x, thr)
 
 
 def _votes_any(scratch_ref):

@@ -1276,20 +1276,20 @@ def test_gpu_merge_splits_and_pdl(kbg, flags):
 def test_lazy_max_gating_and_cross_lowering():
     """lazy_max (the common step's cross-warp max a vote at the P barrier) applies natively in
     the shared softmax with the subnormal value fold: choose_tuning's 2-bit G=128 anchor launch
-    lowers for sm_90 with it (the warps' vote in the module), with and without the in-kernel
-    merge. The interpreter ignores it: the same launch under the GPU interpreter matches the
-    reference."""
+    lowers for sm_90 with it (the barrier's OR reduction in the module), with and without the
+    in-kernel merge. The interpreter ignores it: the same launch under the GPU interpreter
+    matches the reference."""
     anchor = kd.choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
     B, Hq, Hkv, D, Tq = 1, 32, 8, 128, 4096
     for merge in (True, False):
         tun = dataclasses.replace(anchor, lazy_max=True, merge_splits=merge, pdl=merge,
                                   q_prologue=merge)
         mods = _cross_lower((B, Hq, Hkv, D, Tq, 2, 2, 128, jnp.float16, [Tq - 100], 0, tun))
-        assert any("nvvm.vote.sync any" in m for m in mods)
+        assert any("bar.red.or.pred" in m for m in mods)
     assert anchor.lazy_max  # choose_tuning's since run 132
     off = _cross_lower((B, Hq, Hkv, D, Tq, 2, 2, 128, jnp.float16, [Tq - 100], 0,
                         dataclasses.replace(anchor, lazy_max=False)))
-    assert not any("nvvm.vote.sync any" in m for m in off)
+    assert not any("bar.red.or.pred" in m for m in off)
     small = TC(256, 2, 2, fold_k=True, wg_per_block=3, warp_softmax=False, pack_planes=True,
                pack_zeros=True, lazy_max=True)
     _run_case((2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2, small), seed=13,
