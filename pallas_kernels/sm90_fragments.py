@@ -739,50 +739,16 @@ def _lazy_rescale(m_run, mw, xs, slack: float):
     return m_new, xs
 
 
-_FLAG_OFF = 256  # lazy_max: the warps' votes in the reduction scratch, past `_wg_max_open`'s
-
-
-def _exceed_vote(x, m_run, slack: float, scratch_ref):
-    """lazy_max: whether any of the warp's scores x (64, N) f32 (WGMMA layout) passes the
-    running max m_run (N,) (the warpgroup's, `_WG.reduce(0)`) by more than `slack`, or m_run is
-    still -inf (nothing seen): a compare per register against m_run + slack, one vote, and the
-    warp's 0.0 / 1.0 stored to scratch_ref[_FLAG_OFF + warp] for the warpgroup barrier that
-    follows (`_votes_any` reads the four). No shuffle and no barrier of its own: this is the
-    common step's whole cross-warp max. Not interpretable."""
-
-    @plgpu.inline_mgpu(arg_types=(_WG, _WG.reduce(0), plgpu.RefType()))
-    def vote(_, xa, ma, ref):
-        i1, f32 = ir.IntegerType.get_signless(1), ir.F32Type.get()
-        m_regs = list(ma.registers.flat)
-        vty = ir.VectorType(m_regs[0].type)
-        splat = lambda v: vector.broadcast(vty, mgpu_utils.c(v, f32))
-        any_of = lambda c: vector.reduction(i1, vector.CombiningKind.OR, c)
-        pred = None
-        for m in m_regs:
-            p = any_of(arith.cmpf(arith.CmpFPredicate.OEQ, m, splat(-np.inf)))
-            pred = p if pred is None else arith.ori(pred, p)
-        lim = [arith.addf(m, splat(slack)) for m in m_regs]
-        for i, r in np.ndenumerate(xa.registers):
-            c0 = xa.layout.tiling.untile_indices(i)[1]
-            pred = arith.ori(pred, any_of(arith.cmpf(arith.CmpFPredicate.OGT, r, lim[c0 // 8])))
-        take = nvvm.vote_sync(_i32(0xFFFFFFFF), pred, "any")
-        val = arith.select(take, mgpu_utils.c(1.0, f32), mgpu_utils.c(0.0, f32))
-        _, warp = _lane_warp()
-        one = vector.broadcast(ir.VectorType.get((1,), f32), val)
-        vector.store(one, ref, [_idx(arith.addi(warp, _i32(_FLAG_OFF)))])
-
-    vote(x, m_run, scratch_ref)
-
-
 def _exceed_barrier(x, thr):
     """lazy_max: the warpgroup barrier that hands P over, which also reduces whether any of
     the warpgroup's scores x (64, N) f32 (WGMMA layout) passes thr (N,) (`_WG.reduce(0)`: the
     running max plus the slack): one compare per register, then `bar.red.or.pred` on the
     warpgroup's named barrier (the barrier `_wg_sync` passes, with an OR over its threads'
     predicates). Returns an int32 scalar, 1 or 0 and the same in every thread, for the branch
-    that follows. Against `_exceed_vote` + `_wg_sync` + `_votes_any`: no vote, no flag store,
-    no flag loads and sums. A running max still at -inf gives thr = -inf, which every finite
-    score passes (the first step of a split holds one). Not interpretable."""
+    that follows. Before (47aa106): a vote per warp stored to the reduction scratch, a plain
+    barrier, four flag loads and their sum: ~11 instructions per step more (run 135). A running
+    max still at -inf gives thr = -inf, which every finite score passes (the first step of a
+    split holds one). Not interpretable."""
     splat = plgpu.Layout.WG_SPLAT(())
 
     @plgpu.inline_mgpu(arg_types=(_WG, _WG.reduce(0)),
@@ -806,13 +772,6 @@ def _exceed_barrier(x, thr):
         return mgpu_fa.FragmentedArray.splat(out, (), is_signed=True)
 
     return vote(x, thr)
-
-
-def _votes_any(scratch_ref):
-    """lazy_max: after the warpgroup barrier, whether some warp's `_exceed_vote` was 1 (a
-    scalar bool, the same in every thread)."""
-    return (scratch_ref[_FLAG_OFF] + scratch_ref[_FLAG_OFF + 1] + scratch_ref[_FLAG_OFF + 2]
-            + scratch_ref[_FLAG_OFF + 3]) > 0.0
 
 
 def _merge_warp_rows(accs, dst):
