@@ -804,7 +804,8 @@ def choose_tuning(
     # four warpgroups, in one process on card ce53e16b (run 132), three rounds each: the
     # anchor 0.2083/0.2111/0.1967 -> 0.2006/0.1937/0.2002 ms, B=32 T=32k 0.2062/0.2126/0.2082
     # -> 0.2039/0.2019/0.2048, back to back at the power cap 0.2127 -> 0.2067 (SM clock 1860
-    # -> 1890 MHz); the twin's error on ragged rows unchanged (9.07e-5).
+    # -> 1890 MHz); the twin's error on ragged rows unchanged (9.07e-5). Its vote in the P
+    # barrier itself (`_exceed_barrier`, runs 135-136): B=32 +1-3%, the anchor even to +1.6%.
     lazy = pz and wg_per_block == 4
     out = dataclasses.replace(out, dense_bias=dense, lazy_max=lazy)
     # The splits merged in the kernel, with PDL and the query's prologue in it (the XLA work
