@@ -27,8 +27,6 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 import decode_attention as da  # noqa: E402
 
-from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
-
 QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
 
@@ -98,14 +96,8 @@ def main():
         nt = jnp.full((B,), T, jnp.int32)
         kw = dict(key_bits=kb, value_bits=kb, group_size=G, sm_scale=1 / math.sqrt(D))
         for var in a.variants.split(";"):
-            which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
-            da.kd = mods[which]  # kivi_fn runs the kernel of decode_attention's kd
-            try:
-                base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
-                tun = base if flags in ("", "default") else da.override(base, flags)
+            with da.module_variant(mods, var, B, Hkv, T, kb, G) as tun:
                 t, rows = sampled(da.kivi_fn(L, kw, tun), (q, nt, *cache), a.seconds)
-            finally:
-                da.kd = kd
             report(f"{kb}-bit G={G} {var}", t, da.ROUNDS * L, rows)
         del cache
 

@@ -26,6 +26,7 @@ scales + minimums for the kernel; fp16 K and V for cuDNN/XLA).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -260,6 +261,22 @@ def prev_modules(paths: str) -> dict:
         mods[name] = sys.modules[f"kd_{name}"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods[name])  # (dataclasses look their module up there)
     return mods
+
+
+@contextlib.contextmanager
+def module_variant(mods: dict, var: str, B, Hkv, T, kb, G):
+    """A bench variant's tuning, with this module's kernel (`kd`, which `kivi_fn` and
+    `bench_point` run) set to the variant's kernel module for the block: "default" or
+    comma-separated overrides of choose_tuning's launch (`override`), or "prev[:overrides]"
+    ("prev2", ..) for those of a `prev_modules` kernel, on its own choose_tuning."""
+    global kd
+    which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
+    own, kd = kd, mods[which]
+    try:
+        base = kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb, group_size=G)
+        yield base if flags in ("", "default") else override(base, flags)
+    finally:
+        kd = own
 
 
 def override(tun, flags: str):

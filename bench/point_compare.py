@@ -19,8 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import decode_attention as da  # noqa: E402
 
-from pallas_kernels import kivi_decode_sm90 as kd  # noqa: E402
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -52,17 +50,10 @@ def main():
         for kbg in a.kbg.split(","):
             kb, G = map(int, kbg.split(":"))
             for var in a.variants.split(";"):
-                which, _, flags = var.partition(":") if var.startswith("prev") else ("", "", var)
                 # "vrows[:flags]": the value codes as unblocked rows [.., D, T/Pv]
                 vrows = var.startswith("vrows")
-                if vrows:
-                    which, flags = "", var.partition(":")[2]
-                flags = flags or "default"
-                da.kd = mods[which]  # bench_point runs the kernel of decode_attention's kd
-                try:
-                    base = da.kd.choose_tuning(B, Hkv, T, key_bits=kb, value_bits=kb,
-                                               group_size=G)
-                    tun = base if flags == "default" else da.override(base, flags)
+                spec = var.partition(":")[2] if vrows else var
+                with da.module_variant(mods, spec, B, Hkv, T, kb, G) as tun:
                     for kl in a.kivi_loops.split(","):
                         r = da.bench_point(B, Hq, Hkv, D, T, kb, kb, G, tuning=tun, reps=10,
                                            alt="vrows" if vrows else False, loop=kl)
@@ -70,9 +61,6 @@ def main():
                         print(f"| {B} | {T} | {kb} | {G} | {var}{tag} | {tun.wg_per_block}, "
                               f"{tun.num_splits} | {r['ms']:.4f} | {cud['ms'] / r['ms']:.2f} |",
                               flush=True)
-                finally:
-                    da.kd = kd
-
 
 if __name__ == "__main__":
     main()

@@ -52,9 +52,9 @@ barrier, and one warp per warpgroup issues them (`copy_warp`, runs 68-72: 1-6% a
 anchor's 2-bit and 4-bit launches; with four warpgroups and unpacked planes the slots go back
 to that warp through an mbarrier, `release_slots`; with three the copies are dealt over the
 four warps, `spread_copies`, runs 73-76: 1-2%); at 2-bit G=128 with four warpgroups the
-cross-warp max leaves the common sub-step (`lazy_max`, runs 132-134: the running max lags by
-at most a slack, each warp votes at P's barrier whether a score passed it, and only then is
-the max exchanged and P redone; 3-6% at the anchor); the ragged-length mask runs only on a
+cross-warp max leaves the common sub-step (`lazy_max`, runs 132-136: the running max lags by
+at most a slack, P's barrier ORs whether a score passed it, and only then is the max exchanged
+and P redone; 3-6% at the anchor); the ragged-length mask runs only on a
 row's last sub-step; P is transposed in registers (`movmatrix`) and stored as 32-bit words
 (`_store_p_perm`).
 
@@ -1402,7 +1402,7 @@ def _make_kernel(
                     ab = lax.broadcast_in_dim(alpha, (PLANE, NP), [1])
                     resc = lambda x: x * ab
                 if lgmax:  # B = P * s_t * c_p (the scale folded into the exponent), f32 sums
-                    bs = lg_weights(st, m_new)
+                    bs = lg_weights(st, m_shifts(m_new))
                     l_t, zacc = lg_sums(resc(l_t), resc(zaccs[0]), bs, pre)
                     zaccs = (zacc,)
                 elif fvw:  # P of plane p stored as P * 2^(_VW_C - bits j)
@@ -1545,10 +1545,9 @@ def _make_kernel(
                 return [(_halves(m - b_shift(2 * t), m - b_shift(2 * t + 1), interpret)
                          if pk else m - b_shift(t)) for t in range(tiles)]
 
-            def lg_weights(st, m, mps=None):
+            def lg_weights(st, mps):
                 """lgmax: the value product's B = 2^(logit + log2 s_t - m + b_shift(p)) of
-                every score tile against the running max m (or its `m_shifts` mps)."""
-                mps = m_shifts(m) if mps is None else mps
+                every score tile, from the running max's `m_shifts` mps."""
                 return [jnp.exp2(x - lax.broadcast_in_dim(mv, (PLANE, NP), [1]))
                         for x, mv in zip(st, mps, strict=True)]
 
@@ -1579,7 +1578,7 @@ def _make_kernel(
                         _store_tile(bs[p].astype(f16), p)
 
                 thr, *mps = mstate
-                bs = lg_weights(st, None, mps)  # past thr (or m = -inf) redone below
+                bs = lg_weights(st, mps)  # past thr (or m = -inf) redone below
                 store(bs)
                 exceed = _exceed_barrier(tmax, thr)  # the barrier after the stores
 
@@ -1594,11 +1593,12 @@ def _make_kernel(
                     m_run = thr - slack
                     m_new = jnp.maximum(m_run, mx)
                     ab = lax.broadcast_in_dim(jnp.exp2(m_run - m_new), (PLANE, NP), [1])
-                    bs2 = lg_weights(st, m_new)
+                    new = lazy_state(m_new)
+                    bs2 = lg_weights(st, new[1:])
                     l2, z2 = lg_sums(l_t * ab, zaccs[0] * ab, bs2, pre)
                     store(bs2)
                     _wg_sync(interpret)
-                    return lazy_state(m_new), l2, tuple(a * ab for a in accs), (z2,)
+                    return new, l2, tuple(a * ab for a in accs), (z2,)
 
                 return lax.cond(exceed > 0, slow, fast)
 

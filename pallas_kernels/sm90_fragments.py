@@ -486,8 +486,8 @@ def _row_halves_load(ref, n_half: int):
     lo's rows, those of 4-7 hi's (a lane-dependent vector, valid as `_halves`' rows). The
     lane's offset (its rows and half) is loop-invariant, so that each load addresses the
     step's buffer plus it (LDS [R + UR]) where the select between two loaded vectors left
-    ptxas computing and selecting both addresses every step (run 135's SASS). Not
-    interpretable."""
+    ptxas computing and selecting both addresses every step (deviceless SASS of the anchor's
+    launch, docs/performance.md runs 135-137). Not interpretable."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=plgpu.ShapeDtypeStruct((64,), ref.dtype,
