@@ -1,8 +1,8 @@
 """Decode throughput of the jitted generation loop: dense vs KIVI caches, model presets with
 random weights, several (batch, context) points, and the largest batch that fits at 32k context.
 
-    PYTHONPATH=. python3 bench/generate.py --out /tmp/bench            # the H200 run
-    PYTHONPATH=. python3 bench/generate.py --tiny                      # CPU smoke test
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.generate --out DIR   # the GPU run
+    python -m bench.generate --tiny                                           # CPU smoke test
 
 Each point: a cache of `context + steps` tokens is created and its rows set to hold `context`
 tokens (contents left zero: decode cost does not depend on the values), then the real
@@ -11,59 +11,48 @@ sampling, cache donated) runs `steps` decode steps. A first call with the same s
 (its time is reported separately); the second is timed. tokens/s = batch * steps / seconds.
 
 Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
-weights, then checked by allocating that cache (and one row more) and running one decode step.
+weights, then checked by allocating that cache and running decode steps (half the batch
+if that fails).
 
 Weights in the layout `models.generate.decode_layout` picks (per-layer on GPUs; `--stacked`
-keeps the layer scan over stacked weights everywhere).
+keeps the layer scan over stacked weights everywhere). Random weights, so that the run needs
+no checkpoint on the device machine; shapes are the presets'. Never imports gguf.
 
-Random weights because the device machine cannot receive the SmolLM2 GGUF; shapes are the
-presets'. Never imports gguf. Prints a table last and writes JSON (--out).
+Feeds the generation tables of docs/generation.md and docs/performance.md: prints a table last
+and writes DIR/generate_bench.json (points, max_batch, and an `env` block). Needs a GPU for
+the recorded numbers; --tiny runs anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kivi_jax
+from bench import common
 from kivi_jax import memory
 from models import generate as G
 from models import llama
 from models.presets import ModelConfig, get_preset
 
 TINY = ModelConfig(
-    name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1 << 16,
+    name="tiny",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=1 << 16,
 )
-
-
-def device_info() -> dict:
-    d = jax.devices()[0]
-    info = dict(platform=d.platform, device=getattr(d, "device_kind", str(d)))
-    try:
-        import jaxlib
-
-        info.update(jax=jax.__version__, jaxlib=jaxlib.__version__)
-    except ImportError:  # pragma: no cover
-        info.update(jax=jax.__version__)
-    try:
-        import flax
-
-        info["flax"] = flax.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    info["python"] = platform.python_version()
-    return info
 
 
 def free_bytes() -> int | None:
@@ -73,14 +62,12 @@ def free_bytes() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-GROUP_SIZE = 32  # KIVI G of the caches (--group-size)
-
-
-def filled_cache(name, config, batch, context, steps, dtype, residual_length):
+def filled_cache(name, config, batch, context, steps, dtype, residual_length, group_size):
     """A cache with capacity context + steps whose rows hold `context` (zero) tokens."""
-    kw = {} if name == "fp16" else dict(group_size=GROUP_SIZE)
-    c = G.new_cache(name, config, batch, context + steps + 1, dtype,
-                    residual_length=residual_length, **kw)
+    kw = {} if name == "fp16" else dict(group_size=group_size)
+    c = G.new_cache(
+        name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
+    )
     return dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
 
 
@@ -88,21 +75,31 @@ def run_loop(params, config, cache, steps, impl, max_new):
     B = cache.batch
     logits = jnp.zeros((B, config.vocab_size), jnp.float32)
     state = G.decode_loop_jit(
-        params, logits, cache, jax.random.key(0), jnp.int32(max_new), G._pad_stops([]),
-        config=config, num_slots=G.bucket(steps + 1), sampling=G.GREEDY, implementation=impl,
+        params,
+        logits,
+        cache,
+        jax.random.key(0),
+        jnp.int32(max_new),
+        G._pad_stops([]),
+        config=config,
+        num_slots=G.bucket(steps + 1),
+        sampling=G.GREEDY,
+        implementation=impl,
     )
     state.tokens.block_until_ready()
     return state
 
 
-def measure(params, config, cache_name, batch, context, steps, impl, dtype, residual_length):
+def measure(
+    params, config, cache_name, batch, context, steps, impl, dtype, residual_length, group_size
+):
     """(compile+first-run seconds, timed seconds, tokens/s, cache bytes)."""
     t0 = time.perf_counter()
-    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length)
+    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length, group_size)
     nbytes = c.nbytes().total
     run_loop(params, config, c, steps, impl, max_new=2)  # compiles; max_new is traced
     t1 = time.perf_counter()
-    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length)
+    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length, group_size)
     jax.block_until_ready(c)
     t2 = time.perf_counter()
     state = run_loop(params, config, c, steps, impl, max_new=steps + 1)
@@ -111,12 +108,15 @@ def measure(params, config, cache_name, batch, context, steps, impl, dtype, resi
     return t1 - t0, t3 - t2, batch * steps / (t3 - t2), nbytes
 
 
-def max_batch_at(params, config, cache_name, context, dtype, residual_length, impl, probe):
+def max_batch_at(
+    params, config, cache_name, context, dtype, residual_length, group_size, impl, probe
+):
     """Predicted largest batch from free memory, then (probe) checked by a decode step."""
     free = free_bytes()
-    kcfg = kivi_jax.cache_config(cache_name, GROUP_SIZE, residual_length=residual_length)
-    shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim,
-                           jnp.dtype(dtype).itemsize)
+    kcfg = kivi_jax.cache_config(cache_name, group_size, residual_length=residual_length)
+    shape = memory.KVShape(
+        config.num_layers, config.num_kv_heads, config.head_dim, jnp.dtype(dtype).itemsize
+    )
     rec = dict(model=config.name, cache=cache_name, context=context, free_bytes=free)
     if free is None:
         rec["error"] = "device reports no memory limit"
@@ -129,8 +129,9 @@ def max_batch_at(params, config, cache_name, context, dtype, residual_length, im
         return rec
     for b in dict.fromkeys([int(pred), max(1, int(pred) // 2)]):  # two tries (each compiles)
         try:
-            _, secs, tps, nbytes = measure(params, config, cache_name, b, context, 4, impl, dtype,
-                                           residual_length)
+            _, secs, tps, nbytes = measure(
+                params, config, cache_name, b, context, 4, impl, dtype, residual_length, group_size
+            )
             rec.update(batch=b, cache_bytes=nbytes, tokens_per_s=round(tps, 1))
             return rec
         except Exception as e:  # noqa: BLE001 - an OOM (attention temporaries) halves the batch
@@ -142,8 +143,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,llama-3-8b")
     ap.add_argument("--max-batch-model", default="llama-3-8b")
-    ap.add_argument("--points", default="1x4096,16x4096,4x32768",
-                    help="batch x context pairs, comma separated")
+    ap.add_argument(
+        "--points", default="1x4096,16x4096,4x32768", help="batch x context pairs, comma separated"
+    )
     ap.add_argument("--caches", default="fp16,kivi2,kivi4")
     ap.add_argument("--impls", default="reference", help="KIVI decode attention implementations")
     ap.add_argument("--steps", type=int, default=32)
@@ -155,29 +157,35 @@ def main(argv=None):
     ap.add_argument("--no-probe", action="store_true", help="predict max batch, do not run it")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop new work after N seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny model")
-    ap.add_argument("--dense-impl", default="auto",
-                    help="decode attention of the fp16 cache (reference: float32 copies of K/V)")
-    ap.add_argument("--stacked", action="store_true",
-                    help="decode with stacked weights (the layer scan) on every backend")
+    ap.add_argument(
+        "--dense-impl",
+        default="auto",
+        help="decode attention of the fp16 cache (reference: float32 copies of K/V)",
+    )
+    ap.add_argument(
+        "--stacked",
+        action="store_true",
+        help="decode with stacked weights (the layer scan) on every backend",
+    )
     ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
-    global GROUP_SIZE
-    GROUP_SIZE = args.group_size
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",") if p]
     caches = args.caches.split(",")
     impls = args.impls.split(",")
     configs = [TINY] if args.tiny else [get_preset(m) for m in args.models.split(",")]
     result = dict(
-        command=" ".join(["bench/generate.py", *(argv if argv is not None else sys.argv[1:])]),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        env=common.env_info(sys.argv[1:] if argv is None else argv, "generate"),
         weights="random (preset shapes)",
-        dtype=dtype.name, steps=args.steps, residual_length=args.residual,
+        dtype=dtype.name,
+        steps=args.steps,
+        residual_length=args.residual,
         group_size=args.group_size,
         layout="stacked" if args.stacked else "decode_layout",
-        info=device_info(), points=[], max_batch=[],
+        points=[],
+        max_batch=[],
     )
 
     def save():
@@ -196,20 +204,38 @@ def main(argv=None):
         if not args.stacked:
             params = G.decode_layout(params)  # what generate() and the CLI decode with
         jax.block_until_ready(params)
-        print(f"# {config.name}: {config.num_params() / 1e9:.2f}B random params in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"# {config.name}: {config.num_params() / 1e9:.2f}B random params in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         for batch, context in points:
             for cache in caches:
-                for impl in ([args.dense_impl] if cache == "fp16" else impls):
+                for impl in [args.dense_impl] if cache == "fp16" else impls:
                     if late():
                         break
-                    rec = dict(model=config.name, batch=batch, context=context, cache=cache,
-                               impl=impl)
+                    rec = dict(
+                        model=config.name, batch=batch, context=context, cache=cache, impl=impl
+                    )
                     try:
-                        comp, secs, tps, nbytes = measure(params, config, cache, batch, context,
-                                                          args.steps, impl, dtype, args.residual)
-                        rec.update(compile_s=round(comp, 2), seconds=round(secs, 4),
-                                   tokens_per_s=round(tps, 1), cache_bytes=nbytes)
+                        comp, secs, tps, nbytes = measure(
+                            params,
+                            config,
+                            cache,
+                            batch,
+                            context,
+                            args.steps,
+                            impl,
+                            dtype,
+                            args.residual,
+                            args.group_size,
+                        )
+                        rec.update(
+                            compile_s=round(comp, 2),
+                            seconds=round(secs, 4),
+                            tokens_per_s=round(tps, 1),
+                            cache_bytes=nbytes,
+                        )
                     except Exception as e:  # noqa: BLE001 - record and go on
                         rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     result["points"].append(rec)
@@ -219,10 +245,17 @@ def main(argv=None):
             for cache in caches:
                 if late():
                     break
-                rec = max_batch_at(params, config, cache, args.max_batch_context, dtype,
-                                   args.residual,
-                                   args.dense_impl if cache == "fp16" else impls[0],
-                                   probe=not args.no_probe)
+                rec = max_batch_at(
+                    params,
+                    config,
+                    cache,
+                    args.max_batch_context,
+                    dtype,
+                    args.residual,
+                    args.group_size,
+                    args.dense_impl if cache == "fp16" else impls[0],
+                    probe=not args.no_probe,
+                )
                 result["max_batch"].append(rec)
                 print(json.dumps(rec), flush=True)
                 save()
@@ -230,24 +263,31 @@ def main(argv=None):
     result["elapsed_s"] = round(time.perf_counter() - start, 1)
     save()
 
-    info = result["info"]
-    print(f"\n{info['device']} | jax {info.get('jax')} | {result['date']} | {dtype.name} | "
-          f"random weights | {args.steps} decode steps timed after a compile run")
-    print(f"{'model':14} {'batch':>5} {'context':>7} {'cache':6} {'impl':9} {'tok/s':>9} "
-          f"{'cache MB':>9}")
+    env = result["env"]
+    print(
+        f"\n{env['device']} | jax {env['jax']} | {env['date']} | {dtype.name} | "
+        f"random weights | {args.steps} decode steps timed after a compile run"
+    )
+    print(
+        f"{'model':14} {'batch':>5} {'context':>7} {'cache':6} {'impl':9} {'tok/s':>9} "
+        f"{'cache MB':>9}"
+    )
     for r in result["points"]:
         tps = f"{r['tokens_per_s']:9.1f}" if "tokens_per_s" in r else "    error"
         mb = f"{r['cache_bytes'] / 1e6:9.1f}" if "cache_bytes" in r else ""
-        print(f"{r['model']:14} {r['batch']:5d} {r['context']:7d} {r['cache']:6} {r['impl']:9} "
-              f"{tps} {mb}")
+        print(
+            f"{r['model']:14} {r['batch']:5d} {r['context']:7d} {r['cache']:6} {r['impl']:9} "
+            f"{tps} {mb}"
+        )
     for r in result["max_batch"]:
-        print(f"max batch at {r['context']} ({r['model']}, {r['cache']}): "
-              f"predicted {r.get('predicted_batch')}, ran {r.get('batch', '-')} "
-              f"({r.get('tokens_per_s', float('nan')):.1f} tok/s)"
-              + (f"; failed {r['failed']}" if r.get("failed") else ""))
+        print(
+            f"max batch at {r['context']} ({r['model']}, {r['cache']}): "
+            f"predicted {r.get('predicted_batch')}, ran {r.get('batch', '-')} "
+            f"({r.get('tokens_per_s', float('nan')):.1f} tok/s)"
+            + (f"; failed {r['failed']}" if r.get("failed") else "")
+        )
     return result
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

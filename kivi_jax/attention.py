@@ -15,7 +15,7 @@ implementation:
                the same with the kernel's opt-in low-precision value product where it applies
                (G = D: values on fp8 tensor cores, `TuningConfig.fp8_values`; keys stay exact):
                ~1.08x faster at 2 bits, ~1.10x at 4 bits (H200, B=8, T=128k), at a measured
-               cost in accuracy (docs/performance.md, runs 28, 40-42 and 47-49).
+               cost in accuracy (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from jax import Array
 
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
+from pallas_kernels.merge import merge_partials as _merge
 
 IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp")
 
@@ -56,8 +57,9 @@ def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, 
 
     Products in k/v's dtype (q and P rounded to it) with float32 accumulation.
     """
-    dot = lambda spec, a, b: jnp.einsum(spec, a.astype(b.dtype), b, precision="highest",
-                                        preferred_element_type=jnp.float32)
+    dot = lambda spec, a, b: jnp.einsum(
+        spec, a.astype(b.dtype), b, precision="highest", preferred_element_type=jnp.float32
+    )
     s = jnp.where(mask[:, None, None, :], dot("bhrd,bhnd->bhrn", qg, k), -jnp.inf)
     return _normalize(s, lambda p: dot("bhrn,bhnd->bhrd", p, v))
 
@@ -74,15 +76,9 @@ def _normalize(s: Array, pv) -> tuple[Array, Array]:
 
 
 def merge_partials(parts) -> tuple[Array, Array]:
-    """Log-sum-exp merge of normalized partial attentions [(o, lse), ...] over disjoint keys."""
-    lses = jnp.stack([lse for _, lse in parts])
-    m = jnp.max(lses, axis=0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lses - m_safe)
-    total = jnp.sum(w, axis=0)
-    o = sum(wi[..., None] * o for wi, (o, _) in zip(w, parts, strict=True))
-    o = o / jnp.where(total > 0, total, 1.0)[..., None]
-    return o, jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    """Log-sum-exp merge of normalized partial attentions [(o, lse), ...] over disjoint keys
+    (`pallas_kernels.merge.merge_partials` over the stacked parts)."""
+    return _merge(jnp.stack([o for o, _ in parts]), jnp.stack([lse for _, lse in parts]))
 
 
 def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Array]:
@@ -90,7 +86,7 @@ def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Arra
 
     "reference" passes float32; "auto" reads the cache dtype: converting the layer's K and V
     to float32 first is a copy as large as the layer's cache (at 32k context and 27 rows of
-    Llama-3-8B, 54 GiB of temporaries in the unrolled decode loop: run 36).
+    Llama-3-8B, 54 GiB of temporaries in the unrolled decode loop).
     """
     k, v = cache.k[layer], cache.v[layer]
     if dtype is not None:
@@ -167,10 +163,11 @@ def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
 
 
-def _kivi_pallas(qg, q, cache: KiviCache, layer, scale, interpret,
-                 tuning=None, low_precision: bool = False) -> tuple[Array, Array]:
+def _kivi_pallas(
+    qg, q, cache: KiviCache, layer, scale, interpret, tuning=None, low_precision: bool = False
+) -> tuple[Array, Array]:
     try:
-        from pallas_kernels import kivi_decode_sm90 as kernel
+        from pallas_kernels import kivi_decode as kernel
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
     if not cache.config.is_kivi:
@@ -240,7 +237,7 @@ def decode_attention(
 
     q: [B, Hq, D] with Hq a multiple of the cache's Hkv (GQA); attends to positions
     [0, lengths[b]) of each row (ragged rows masked); float32 math; returns [B, Hq, D] in
-    q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode_sm90.TuningConfig`
+    q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode.TuningConfig`
     for the Pallas kernel (launch parameters and opt-in flags such as fp8_values; default: its
     heuristic; the "-lowp" implementations turn its fp8_values on). Raises
     ValueError for bad shapes or an unknown implementation,

@@ -189,8 +189,11 @@ class QuantizedStore:
     def logical_axes(self) -> QuantizedStore:
         lbh = ("layers", "batch", "kv_heads")
         if self.transposed:
-            codes = (jax.P(*lbh, "cache_seq_packed", "head_dim", None) if self.blocked else
-                     jax.P(*lbh, "head_dim", "cache_seq_packed"))
+            codes = (
+                jax.P(*lbh, "cache_seq_packed", "head_dim", None)
+                if self.blocked
+                else jax.P(*lbh, "head_dim", "cache_seq_packed")
+            )
         else:
             codes = jax.P(*lbh, "cache_seq_packed", "head_dim")
         if self.axis == "channel":
@@ -209,7 +212,8 @@ class QuantizedStore:
         if self.blocked:  # a token row is a byte column of V^T, in blocks of 64 columns
             col = swapped_byte(rows)
             return self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK].add(
-                vals, mode="drop")
+                vals, mode="drop"
+            )
         if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
             return self.codes.at[layer, b, :, :, swapped_byte(rows)].add(vals, mode="drop")
         return self.codes.at[layer, b, :, rows, :].add(swap_bytes(vals, -1), mode="drop")
@@ -237,7 +241,7 @@ class QuantizedStore:
         b = jnp.arange(nb)
         # The layer's window is read once and written back once (one dynamic_update_slice of
         # the [L, ...] buffer): a scatter of the token followed by a second update of the same
-        # buffer made XLA copy the residual of all layers, per layer, in some schedules (run 31).
+        # buffer made XLA copy the residual of all layers, per layer, in some schedules.
         old = jax.lax.dynamic_index_in_dim(self.residual, layer, 0, keepdims=False)
         # Every read of the old buffer is now an input of the barrier, so the in-place update
         # below is ordered after them (XLA copies the whole buffer when it cannot order them).
@@ -277,15 +281,16 @@ class QuantizedStore:
         The token leaving the window does not depend on the new token, so quantizing it inside
         the layer loop gave XLA a read of the residual with no data path to the next layer's
         write of it, and XLA copied the [L, ...] residual, scales and codes, per layer, to keep
-        both (run 34). Done for all layers at once, every read comes before any write.
+        both. Done for all layers at once, every read comes before any write.
         """
         if self.axis != "token" or self.window == 0:
             return self
         nl, nb, _, w, _ = self.residual.shape
         b = jnp.arange(nb)
         out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
-        store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None],
-                                 (valid & (pos >= w))[None])
+        store = self._put_tokens(
+            jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None], (valid & (pos >= w))[None]
+        )
         # The residual comes out of the barrier after the read above: the layers' in-place
         # writes of the vacated slots are ordered after it.
         residual, _ = jax.lax.optimization_barrier((self.residual, out_x))
@@ -297,8 +302,9 @@ class QuantizedStore:
         b = jnp.arange(nb)
         if w:  # the slot's previous token was quantized by flush_token
             slot = jnp.where(valid, pos % w, w)
-            res = self.residual.at[layer, b, :, slot].set(x.astype(self.residual.dtype),
-                                                          mode="drop")
+            res = self.residual.at[layer, b, :, slot].set(
+                x.astype(self.residual.dtype), mode="drop"
+            )
             return dataclasses.replace(self, residual=res)
         return self._put_tokens(layer, b, x, pos, valid)
 
@@ -354,8 +360,7 @@ class QuantizedStore:
             packed = pack_tokens(codes.swapaxes(-1, -2), self.bits, axis=-1)
             if self.blocked:
                 packed = block_columns(packed)
-                new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-3], :, :].set(
-                    packed)
+                new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-3], :, :].set(packed)
             else:
                 new_codes = jnp.zeros_like(self.codes).at[..., : packed.shape[-1]].set(packed)
         else:

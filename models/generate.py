@@ -96,8 +96,8 @@ def sample(logits: Array, rng: Array, sampling: Sampling) -> Array:
         p = jax.nn.softmax(sx, axis=-1)
         before = jnp.cumsum(p, axis=-1) - p  # mass of strictly more likely tokens
         keep_sorted = before < sampling.top_p  # the most likely token is always kept
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(
-            keep_sorted
+        keep = (
+            jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
         )
         x = jnp.where(keep, x, neg)
     return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
@@ -261,7 +261,7 @@ def decode_layout(params):
     """The params layout to decode with on this backend.
 
     GPUs: per-layer weights (`llama.unstack_layers`), read in place by each GEMM; a scan over
-    stacked weights copies every layer's slices first (run 31: Llama-3-8B, 14.5 -> 7.7 ms per
+    stacked weights copies every layer's slices first (Llama-3-8B, 14.5 -> 7.7 ms per
     step at batch 1). CPUs: the stacked scan, which compiles 8x faster (SmolLM2: 2.7 s against
     21.7 s) for a decode step 30% slower. Returns params unchanged when nothing changes; an
     unstacked copy otherwise (drop the stacked params to get their memory back, as the CLI does).
@@ -375,8 +375,9 @@ def stream(
     params = decode_layout(params)
     tokens, lengths = make_prompt_batch([prompt])
     max_len = tokens.shape[1] + bucket(max_new_tokens)
-    c = new_cache(cache, config, 1, max_len, params["embed"].dtype,
-                  **_cache_kw(group_size, residual_length))
+    c = new_cache(
+        cache, config, 1, max_len, params["embed"].dtype, **_cache_kw(group_size, residual_length)
+    )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     rng = jax.random.key(seed)
     stops = set(int(s) for s in stop_ids)

@@ -94,8 +94,10 @@ def _open(path: Path):
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on short or damaged files
-        raise GGUFError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); "
-                        "the file is truncated or corrupted") from e
+        raise GGUFError(
+            f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); "
+            "the file is truncated or corrupted"
+        ) from e
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
@@ -117,8 +119,12 @@ def read_metadata(reader) -> dict:
     """All scalar/string metadata (arrays of tokens and merges left out)."""
     out = {}
     for k, f in reader.fields.items():
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                 "tokenizer.ggml.scores"):
+        if k in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             continue
         try:
             out[k] = f.contents()
@@ -242,8 +248,9 @@ def load_gguf(
     cast = lambda a: jnp.asarray(a.astype(np_dtype))
     layer_keys = [k for k in _LAYER_MAP if c.qkv_bias or not k.startswith("b")]
     layers = {k: [] for k in layer_keys}
-    bar = tqdm(total=c.num_layers + 2, desc=f"loading {path.name}", disable=not progress,
-               unit="block")
+    bar = tqdm(
+        total=c.num_layers + 2, desc=f"loading {path.name}", disable=not progress, unit="block"
+    )
     embed = cast(get("token_embd.weight"))
     bar.update(1)
     for i in range(c.num_layers):

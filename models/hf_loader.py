@@ -107,8 +107,9 @@ class _Tensors:
             try:
                 h = safe_open(str(fp), framework="numpy")
             except Exception as e:  # header parse errors from the Rust reader
-                raise CheckpointError(f"{fp}: cannot read safetensors ({e}); truncated or "
-                                      "corrupted?") from e
+                raise CheckpointError(
+                    f"{fp}: cannot read safetensors ({e}); truncated or corrupted?"
+                ) from e
             self.handles[f] = h
             for k in h.keys():
                 self.where[k] = f
@@ -150,8 +151,9 @@ def load_hf(
     cast = lambda a: jnp.asarray(a.astype(np.float32).astype(np_dtype))
     keys = [k for k in _LAYER_MAP if c.qkv_bias or not k.startswith("b")]
     layers = {k: [] for k in keys}
-    bar = tqdm(total=c.num_layers + 2, desc=f"loading {path.name}", disable=not progress,
-               unit="block")
+    bar = tqdm(
+        total=c.num_layers + 2, desc=f"loading {path.name}", disable=not progress, unit="block"
+    )
     embed = cast(t.get("model.embed_tokens.weight"))
     bar.update(1)
     for i in range(c.num_layers):

@@ -17,7 +17,7 @@ stacked on a leading L axis so the layer loop is one `lax.scan` and compiles onc
 L axis); `forward` and `decode_step` then run the layers as an unrolled Python loop. That is the
 layout to decode with on GPUs: inside a scan each layer's weights are a dynamic slice of the
 stacked arrays, and XLA copies every slice before its GEMM, so a decode step moves the weights
-through memory three times (run 31, docs/generation.md: a Llama-3-8B step at batch 1 takes
+through memory three times (docs/generation.md: a Llama-3-8B step at batch 1 takes
 14.5 ms with the scan, 7.7-8.0 ms with per-layer weights). `models.generate` unstacks on
 GPU backends.
 
@@ -107,12 +107,15 @@ def check_params(params: Params, config: ModelConfig) -> None:
     if is_unstacked(params):
         if len(params["layers"]) != config.num_layers:
             raise ValueError(
-                f"params hold {len(params['layers'])} layers, {config.name} has "
-                f"{config.num_layers}"
+                f"params hold {len(params['layers'])} layers, {config.name} has {config.num_layers}"
             )
-        params = {**params, "layers": jax.tree.map(
-            lambda *a: jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype),
-            *params["layers"])}
+        params = {
+            **params,
+            "layers": jax.tree.map(
+                lambda *a: jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype),
+                *params["layers"],
+            ),
+        }
     got_flat = dict(jax.tree.flatten_with_path(params)[0])
     want_flat = dict(jax.tree.flatten_with_path(want)[0])
     if set(got_flat) != set(want_flat):
@@ -401,8 +404,14 @@ class Llama(nnx.Module):
     (per-layer weights: module docstring), as `generate` does.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
-                 params: Params | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs | None = None,
+        dtype=jnp.float32,
+        params: Params | None = None,
+    ):
         self.config = config
         if params is None:
             rngs = rngs if rngs is not None else nnx.Rngs(0)

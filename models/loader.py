@@ -75,7 +75,7 @@ def enable_compile_cache() -> Path | None:
 
     On GPUs the decode loop runs the layers unrolled over per-layer weights
     (`models.generate.decode_layout`), which takes ~30 s to compile for Llama-3-8B on an H200
-    (run 33, docs/generation.md); the next run with the same shapes loads it instead. CPUs keep
+    (docs/generation.md); the next run with the same shapes loads it instead. CPUs keep
     the layer scan (a few seconds), so nothing is set there. KIVI_JAX_NO_COMPILE_CACHE=1 opts
     out. Returns the directory, or None when not enabled.
     """
@@ -88,8 +88,8 @@ def enable_compile_cache() -> Path | None:
 
 
 def _identity(kind: str, path: Path) -> dict:
-    files = [path] if kind == "gguf" else sorted(
-        [*path.glob("*.safetensors"), path / "config.json"]
+    files = (
+        [path] if kind == "gguf" else sorted([*path.glob("*.safetensors"), path / "config.json"])
     )
     return dict(
         format=FORMAT_VERSION,

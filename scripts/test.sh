@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check kivi_jax pallas_kernels models tests bench
+.venv/bin/ruff format --check kivi_jax pallas_kernels models tests bench
 .venv/bin/python -m pytest -q -ra "$@"

@@ -96,8 +96,9 @@ def test_quantized_tokens_sit_in_the_documented_layout():
         config, num_layers=L, batch=1, kv_heads=H, head_dim=D, max_len=512, dtype=jnp.float32
     ).prefill(k, v, jnp.array([512], jnp.int32))
     kc, ks, _ = minmax_quantize(k.reshape(L, 1, H, 16, 32, D), 2, axis=-2)
-    np.testing.assert_array_equal(c.keys.codes, pack_tokens(kc.reshape(L, 1, H, 512, D), 2,
-                                                            axis=-2))
+    np.testing.assert_array_equal(
+        c.keys.codes, pack_tokens(kc.reshape(L, 1, H, 512, D), 2, axis=-2)
+    )
     np.testing.assert_array_equal(c.keys.scale, ks[..., 0, :])
     nq = int(c.values.num_quantized(c.lengths)[0])  # 480: the newest 32 stay in full precision
     vc, vs, _ = minmax_quantize(v.reshape(L, 1, H, 512, D // 32, 32), 4, axis=-1)
@@ -105,15 +106,21 @@ def test_quantized_tokens_sit_in_the_documented_layout():
     # 4-bit value codes: unblocked V^T rows
     np.testing.assert_array_equal(c.values.codes, pack_tokens(vc.swapaxes(-1, -2), 4, axis=-1))
     t = np.array([0, 17, 100, 300, nq - 1])
-    np.testing.assert_array_equal(c.values.scale[..., cache_slot(t)],
-                                  vs[..., 0].swapaxes(-1, -2)[..., t])
+    np.testing.assert_array_equal(
+        c.values.scale[..., cache_slot(t)], vs[..., 0].swapaxes(-1, -2)[..., t]
+    )
     got = c.values.gather(0, jnp.asarray(t)[None], c.lengths)
     want = np.asarray(v)[0][:, :, t].astype(np.float32)
     np.testing.assert_allclose(got, want, atol=0.2 * np.abs(want).max())
     # 2-bit value codes: V^T in blocks of 64 byte columns
     c2 = kj.KiviCache.init(
-        kj.KiviConfig(2, 2, group_size=32, residual_length=32), num_layers=L, batch=1,
-        kv_heads=H, head_dim=D, max_len=512, dtype=jnp.float32,
+        kj.KiviConfig(2, 2, group_size=32, residual_length=32),
+        num_layers=L,
+        batch=1,
+        kv_heads=H,
+        head_dim=D,
+        max_len=512,
+        dtype=jnp.float32,
     ).prefill(k, v, jnp.array([512], jnp.int32))
     vc2, _, _ = minmax_quantize(v.reshape(L, 1, H, 512, D // 32, 32), 2, axis=-1)
     vc2 = jnp.where((jnp.arange(512) < nq)[:, None], vc2.reshape(L, 1, H, 512, D), 0)

@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kivi_jax.cli import app
+from models.cli import app
 from models.eval import report
 
 runner = CliRunner()
@@ -13,8 +13,8 @@ runner = CliRunner()
 
 def test_memory_command_llama3_70b_json():
     res = runner.invoke(
-        app, ["memory", "--model", "llama-3-70b", "--tokens", "1048576", "--weights", "int4",
-              "--json"],
+        app,
+        ["memory", "--model", "llama-3-70b", "--tokens", "1048576", "--weights", "int4", "--json"],
     )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
@@ -36,8 +36,23 @@ def test_memory_command_table_flags_and_errors():
     res = runner.invoke(app, ["memory", "--model", "smollm2", "--gpu-memory", "24GiB"])
     assert res.exit_code == 0, res.output
     assert "kivi2" in res.output and "8,192" in res.output
-    res = runner.invoke(app, ["memory", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
-                              "--tokens", "4096", "--params", "8e9", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "memory",
+            "--layers",
+            "32",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--tokens",
+            "4096",
+            "--params",
+            "8e9",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["caches"][0]["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     # bf16 Llama-3-70B weights alone exceed one 141 GB GPU: said, and nothing fits.
@@ -78,29 +93,92 @@ def test_eval_empty_text_file(tmp_path):
 
 
 def _fake_results(path):
-    env = {"model": "tiny", "corpus": "pydoc", "corpus_tokens": 1000, "date": "2026-11-29",
-           "machine": "x86_64", "backend": "cpu", "devices": "cpu", "kivi_jax": "0.1.0",
-           "jax": "0", "jaxlib": "0", "flax": "0"}
+    env = {
+        "model": "tiny",
+        "corpus": "pydoc",
+        "corpus_tokens": 1000,
+        "date": "2026-11-29",
+        "machine": "x86_64",
+        "backend": "cpu",
+        "devices": "cpu",
+        "kivi_jax": "0.1.0",
+        "jax": "0",
+        "jaxlib": "0",
+        "flax": "0",
+    }
     recs = [
-        {"id": "keys", "kind": "keys", **env, "layers": [0, 1], "tokens": 8,
-         "k": [[[1.0] * 4, [2.0] * 4], [[1.0, 9.0, 1.0, 1.0]] * 2], "v": [[[1.0] * 4] * 2] * 2,
-         "outlier_ratio_k": [1.0, 9.0], "outlier_ratio_v": [1.0, 1.0]},
+        {
+            "id": "keys",
+            "kind": "keys",
+            **env,
+            "layers": [0, 1],
+            "tokens": 8,
+            "k": [[[1.0] * 4, [2.0] * 4], [[1.0, 9.0, 1.0, 1.0]] * 2],
+            "v": [[[1.0] * 4] * 2] * 2,
+            "outlier_ratio_k": [1.0, 9.0],
+            "outlier_ratio_v": [1.0, 1.0],
+        },
     ]
     for proto in ("streaming", "simulated"):
         for name, bits, p in (("fp16", 16.0, 10.0), ("kivi2", 3.0, 12.5), ("pertoken2", 3.0, 40)):
-            recs.append({"id": f"{proto}:{name}", "kind": "ppl", **env, "protocol": proto,
-                         "cache": name, "group_size": 32, "residual_length": 128,
-                         "bits_per_element": bits, "ppl": p, "n_tokens": 512, "prefill": 512,
-                         "decode": 128, "windows": 4, "seconds": 3.0})
-    recs.append({"id": "stream:kivi2/G128/R0", "kind": "ppl", **env, "protocol": "streaming",
-                 "cache": "kivi2", "group_size": 128, "residual_length": 0,
-                 "bits_per_element": 2.25, "error": "head_dim=64 must be a multiple of 128"})
-    cells = [{"length": n, "depth": d, "prompt_tokens": n - 10, "accuracy": a}
-             for n, a in ((1024, 1.0), (2048, 0.5)) for d in (0.0, 1.0)]
-    recs.append({"id": "passkey:short", "kind": "passkey", **env, "results": [
-        {"cache": c, "group_size": 32, "residual_length": 128, "trials": 2, "seed": 0,
-         "chat_template": False, "max_new_tokens": 10, "cells": cells, "answers": [],
-         "accuracy": 0.75} for c in ("fp16", "kivi2")]})
+            recs.append(
+                {
+                    "id": f"{proto}:{name}",
+                    "kind": "ppl",
+                    **env,
+                    "protocol": proto,
+                    "cache": name,
+                    "group_size": 32,
+                    "residual_length": 128,
+                    "bits_per_element": bits,
+                    "ppl": p,
+                    "n_tokens": 512,
+                    "prefill": 512,
+                    "decode": 128,
+                    "windows": 4,
+                    "seconds": 3.0,
+                }
+            )
+    recs.append(
+        {
+            "id": "stream:kivi2/G128/R0",
+            "kind": "ppl",
+            **env,
+            "protocol": "streaming",
+            "cache": "kivi2",
+            "group_size": 128,
+            "residual_length": 0,
+            "bits_per_element": 2.25,
+            "error": "head_dim=64 must be a multiple of 128",
+        }
+    )
+    cells = [
+        {"length": n, "depth": d, "prompt_tokens": n - 10, "accuracy": a}
+        for n, a in ((1024, 1.0), (2048, 0.5))
+        for d in (0.0, 1.0)
+    ]
+    recs.append(
+        {
+            "id": "passkey:short",
+            "kind": "passkey",
+            **env,
+            "results": [
+                {
+                    "cache": c,
+                    "group_size": 32,
+                    "residual_length": 128,
+                    "trials": 2,
+                    "seed": 0,
+                    "chat_template": False,
+                    "max_new_tokens": 10,
+                    "cells": cells,
+                    "answers": [],
+                    "accuracy": 0.75,
+                }
+                for c in ("fp16", "kivi2")
+            ],
+        }
+    )
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
 
 
@@ -108,10 +186,26 @@ def test_write_report_tables_and_plots(tmp_path):
     results = tmp_path / "results.jsonl"
     _fake_results(results)
     extra = tmp_path / "long.jsonl"
-    extra.write_text("\n".join(json.dumps(
-        {"ppl": p, "cache": c, "group_size": 32, "residual_length": 128, "bits_per_element": b,
-         "n_tokens": 2048, "protocol": "streaming", "prefill": 1536, "decode": 512, "windows": 4,
-         "seconds": 9.0}) for c, b, p in (("kivi2", 3.0, 11.0), ("fp16", 16.0, 10.0))))
+    extra.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "ppl": p,
+                    "cache": c,
+                    "group_size": 32,
+                    "residual_length": 128,
+                    "bits_per_element": b,
+                    "n_tokens": 2048,
+                    "protocol": "streaming",
+                    "prefill": 1536,
+                    "decode": 512,
+                    "windows": 4,
+                    "seconds": 9.0,
+                }
+            )
+            for c, b, p in (("kivi2", 3.0, 11.0), ("fp16", 16.0, 10.0))
+        )
+    )
     md = report.write_report(results, tmp_path / "docs", "kivi-jax eval report", extra=(extra,))
     text = md.read_text()
     assert "## Perplexity, streaming protocol, P=1536, T=512, 4 windows" in text

@@ -216,8 +216,15 @@ def test_evaluate_passkey_runs_every_cache_on_the_same_prompts():
         assert len(r["answers"]) == 8 and 0.0 <= r["accuracy"] <= 1.0
     assert [a["key"] for a in res[0]["answers"]] == [a["key"] for a in res[1]["answers"]]
     one_by_one = passkey.evaluate_passkey(
-        tiny_params(), TINY, ModTokenizer(TINY.vocab_size), specs, lengths=(90, 120),
-        depths=(0.0, 1.0), trials=2, max_new_tokens=3, batch_size=1,
+        tiny_params(),
+        TINY,
+        ModTokenizer(TINY.vocab_size),
+        specs,
+        lengths=(90, 120),
+        depths=(0.0, 1.0),
+        trials=2,
+        max_new_tokens=3,
+        batch_size=1,
     )
     for a, b in zip(res, one_by_one, strict=True):
         assert [x["answer"] for x in a["answers"]] == [x["answer"] for x in b["answers"]]

@@ -65,8 +65,14 @@ def test_kivi_with_long_residual_equals_dense(smol, dense_greedy):
     """R=128 > prompt + output (at most 37 + 32 tokens, cache max_len 96): nothing is quantized
     yet, so KIVI-2 generation equals the dense cache's exactly."""
     config, params, _ = smol
-    out = G.generate(params, config, [c["ids"] for c in CASES], cache="kivi2", max_new_tokens=32,
-                     residual_length=128)
+    out = G.generate(
+        params,
+        config,
+        [c["ids"] for c in CASES],
+        cache="kivi2",
+        max_new_tokens=32,
+        residual_length=128,
+    )
     assert out.tokens == dense_greedy.tokens
     assert out.max_len <= 128
 
@@ -74,11 +80,15 @@ def test_kivi_with_long_residual_equals_dense(smol, dense_greedy):
 def test_second_batch_in_bucket_compiles_nothing(smol, dense_greedy):
     config, params, tok = smol
     before_programs, (before_compiles, _) = G.compiled_programs(), G.compile_stats()
-    prompts = [tok.encode(tok.apply_chat_template("Tell me a joke.")),
-               tok.encode("Name three colors:"), [1, 2, 3]]
+    prompts = [
+        tok.encode(tok.apply_chat_template("Tell me a joke.")),
+        tok.encode("Name three colors:"),
+        [1, 2, 3],
+    ]
     assert 32 < len(prompts[0]) <= 64
-    out = G.generate(params, config, prompts, cache="fp16", max_new_tokens=20,
-                     stop_ids=tok.eos_ids)  # same buckets as dense_greedy: prompt 64, output 32
+    out = G.generate(
+        params, config, prompts, cache="fp16", max_new_tokens=20, stop_ids=tok.eos_ids
+    )  # same buckets as dense_greedy: prompt 64, output 32
     assert G.compiled_programs() == before_programs
     assert G.compile_stats()[0] == before_compiles and out.compile_seconds == 0.0
     assert all(1 <= len(t) <= 20 for t in out.tokens)
@@ -89,12 +99,22 @@ def test_cli_generate_json(cache_dir, monkeypatch):
     R=128 reproduces transformers' greedy tokens; the output has the documented fields."""
     from typer.testing import CliRunner
 
-    from kivi_jax.cli import app
+    from models.cli import app
 
     monkeypatch.setenv("KIVI_JAX_CACHE_DIR", str(cache_dir))  # reuse the converted params
     case = CASES[1]
-    args = ["generate", "--prompt", case["prompt"], "--cache", "kivi4", "--max-new-tokens", "8",
-            "--greedy", "--no-chat-template", "--json"]
+    args = [
+        "generate",
+        "--prompt",
+        case["prompt"],
+        "--cache",
+        "kivi4",
+        "--max-new-tokens",
+        "8",
+        "--greedy",
+        "--no-chat-template",
+        "--json",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])

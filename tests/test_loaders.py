@@ -56,8 +56,10 @@ def test_dequantize_errors():
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF rows -> interleaved RoPE rows)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
@@ -70,9 +72,18 @@ def test_unpermute_inverts_llama_cpp():
 # -- a tiny GGUF written here ----------------------------------------------------------------
 
 TINY = ModelConfig(
-    name="tiny-gguf", vocab_size=262, hidden_size=64, intermediate_size=96, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-    tie_embeddings=False, max_position_embeddings=128,
+    name="tiny-gguf",
+    vocab_size=262,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_embeddings=False,
+    max_position_embeddings=128,
 )
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -167,16 +178,18 @@ def tiny_gguf(tmp_path_factory):
 def test_gguf_roundtrip(tiny_gguf):
     path, orig, expected = tiny_gguf
     config, params, tok = gguf_loader.load_gguf(path, progress=False)
-    assert config == ModelConfig(**{**TINY.__dict__, "name": "tiny", "rms_norm_eps":
-                                    float(np.float32(1e-5))})
+    assert config == ModelConfig(
+        **{**TINY.__dict__, "name": "tiny", "rms_norm_eps": float(np.float32(1e-5))}
+    )
     for k in ("wq", "wk", "attn_norm", "mlp_norm"):  # F32: exact, so the Q/K un-permute is right
         np.testing.assert_array_equal(params["layers"][k], orig["layers"][k])
     for k, tol in (("wv", 0.25), ("wo", 0.3), ("w_gate", 0.02), ("w_up", 2e-3), ("w_down", 0.02)):
         err = np.abs(np.asarray(params["layers"][k]) - np.asarray(orig["layers"][k])).max()
         assert 0 < err < tol, (k, err)
     # every tensor equals the gguf package's own dequantization of the same bytes
-    for (path_, a), b in zip(jax.tree.flatten_with_path(params)[0], jax.tree.leaves(expected),
-                             strict=True):
+    for (path_, a), b in zip(
+        jax.tree.flatten_with_path(params)[0], jax.tree.leaves(expected), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), b, err_msg=jax.tree_util.keystr(path_))
     # tokenizer from the GGUF vocabulary
     ids = tok.encode("<|im_start|>the t")
@@ -222,7 +235,10 @@ def test_hf_checkpoint_matches_transformers(name):
     assert config.qkv_bias == (name == "tiny_qwen2")
     assert config.tie_embeddings == (name == "tiny_llama_linear")
     assert (config.rope_scaling and config.rope_scaling.kind) == {
-        "tiny_llama3": "llama3", "tiny_llama_linear": "linear", "tiny_qwen2": None}[name]
+        "tiny_llama3": "llama3",
+        "tiny_llama_linear": "linear",
+        "tiny_qwen2": None,
+    }[name]
     ref = json.loads((FIX / name / "reference_logits.json").read_text())
     ids = jnp.asarray(ref["ids"], jnp.int32)
     lengths = jnp.full((ids.shape[0],), ids.shape[1])
@@ -310,10 +326,16 @@ def test_tokenizer_from_hf_dir(smol_tok, tmp_path):
     from models.tokenizer import Tokenizer
 
     smol_tok.tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
-        bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"}, add_bos_token=False,
-        chat_template=smol_tok.chat_template,
-    )))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            dict(
+                bos_token="<|im_start|>",
+                eos_token={"content": "<|im_end|>"},
+                add_bos_token=False,
+                chat_template=smol_tok.chat_template,
+            )
+        )
+    )
     tok = Tokenizer.from_dir(tmp_path)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
     assert text == smol_tok.apply_chat_template("Hi there")

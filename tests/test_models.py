@@ -16,12 +16,22 @@ from models import llama
 from models.presets import PRESETS, ModelConfig, RopeScaling, get_preset
 
 TINY = ModelConfig(
-    name="tiny", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=32, rope_theta=10000.0, qkv_bias=True, tie_embeddings=False,
+    name="tiny",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    qkv_bias=True,
+    tie_embeddings=False,
     max_position_embeddings=512,
 )
-TINY_TIED = dataclasses.replace(TINY, name="tiny-tied", qkv_bias=False, tie_embeddings=True,
-                                num_kv_heads=1)
+TINY_TIED = dataclasses.replace(
+    TINY, name="tiny-tied", qkv_bias=False, tie_embeddings=True, num_kv_heads=1
+)
 
 
 # Jitted once per module (eager execution of the layer scan and cache updates is slow).
@@ -39,8 +49,14 @@ def tiny_params():
 
 @pytest.mark.parametrize(
     "name, billions",
-    [("smollm2-135m", 0.1345), ("llama-2-7b", 6.738), ("llama-3-8b", 8.030),
-     ("llama-3-70b", 70.554), ("mistral-7b", 7.242), ("qwen2.5-7b", 7.616)],
+    [
+        ("smollm2-135m", 0.1345),
+        ("llama-2-7b", 6.738),
+        ("llama-3-8b", 8.030),
+        ("llama-3-70b", 70.554),
+        ("mistral-7b", 7.242),
+        ("qwen2.5-7b", 7.616),
+    ],
 )
 def test_preset_parameter_counts(name, billions):
     c = get_preset(name)
@@ -66,8 +82,9 @@ def test_preset_names_and_errors():
 
 
 def test_rope_is_relative_and_norm_preserving():
-    cfg = dataclasses.replace(TINY, rope_scaling=RopeScaling("llama3", 8.0,
-                                                             original_max_position_embeddings=64))
+    cfg = dataclasses.replace(
+        TINY, rope_scaling=RopeScaling("llama3", 8.0, original_max_position_embeddings=64)
+    )
     q = jax.random.normal(jax.random.key(1), (1, 1, 32))
     k = jax.random.normal(jax.random.key(2), (1, 1, 32))
     dots = []
@@ -81,7 +98,7 @@ def test_rope_is_relative_and_norm_preserving():
 
 def test_rope_scaling_frequencies():
     base = llama.rope_frequencies(TINY)
-    lin = llama.rope_frequencies(dataclasses.replace(TINY, rope_scaling=RopeScaling("linear", 4.)))
+    lin = llama.rope_frequencies(dataclasses.replace(TINY, rope_scaling=RopeScaling("linear", 4.0)))
     np.testing.assert_allclose(lin, base / 4)
     sc = RopeScaling("llama3", 8.0, 1.0, 4.0, original_max_position_embeddings=1024)
     l3 = llama.rope_frequencies(dataclasses.replace(TINY, rope_scaling=sc))
@@ -96,13 +113,21 @@ def test_rope_scaling_frequencies():
 
 
 def _cache(name, cfg, batch, max_len, **kw):
-    return kivi_jax.make_cache(name, num_layers=cfg.num_layers, batch=batch,
-                               kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len,
-                               dtype=jnp.float32, **kw)
+    return kivi_jax.make_cache(
+        name,
+        num_layers=cfg.num_layers,
+        batch=batch,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_len=max_len,
+        dtype=jnp.float32,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
-    "cfg, cache_name", [(TINY, "fp16"), (TINY, "kivi2"), (TINY_TIED, "kivi4")],
+    "cfg, cache_name",
+    [(TINY, "fp16"), (TINY, "kivi2"), (TINY_TIED, "kivi4")],
     ids=["tiny-fp16", "tiny-kivi2", "tied-kivi4"],
 )
 def test_decode_matches_full_forward(cfg, cache_name):
@@ -172,8 +197,9 @@ def test_kv_transform(tiny_params):
     np.testing.assert_allclose(same, base, atol=1e-6)
     assert seen[0] == (B, cfg.num_kv_heads, S, cfg.head_dim)
     noisy = lambda k, v: (k, v * 0.5)
-    diff, c1 = prefill(tiny_params, cfg, toks, L, _cache("fp16", cfg, B, 16),
-                             all_logits=True, kv_transform=noisy)
+    diff, c1 = prefill(
+        tiny_params, cfg, toks, L, _cache("fp16", cfg, B, 16), all_logits=True, kv_transform=noisy
+    )
     assert float(jnp.abs(diff - base).max()) > 1e-3
     # the cache gets the untransformed K/V (layer 0: later layers see the transformed output)
     np.testing.assert_array_equal(c1.v[0], c0.v[0])
@@ -190,8 +216,9 @@ def test_nnx_module_wraps_params(tiny_params):
     b, _ = prefill(tiny_params, TINY, toks, jnp.array([3]), None)
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="wq"):
-        llama.check_params({**tiny_params, "layers": {**tiny_params["layers"],
-                                                      "wq": jnp.zeros((2, 3))}}, TINY)
+        llama.check_params(
+            {**tiny_params, "layers": {**tiny_params["layers"], "wq": jnp.zeros((2, 3))}}, TINY
+        )
 
 
 # -- per-layer weights (the decode layout on GPUs) -------------------------------------------
@@ -225,8 +252,9 @@ def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
     kw = dict(group_size=16, residual_length=16) if cache_name != "fp16" else {}
     outs = []
     for p in (tiny_params, un):
-        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(cache_name, cfg, B, 64,
-                                                                          **kw))
+        lg, c = prefill(
+            p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(cache_name, cfg, B, 64, **kw)
+        )
         steps = [lg]
         for t in range(P, S):
             lg, c = decode_step(p, cfg, toks[:, t], c)
@@ -236,15 +264,15 @@ def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(a).max()) > 0.1
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-5)
 
 
 def test_generate_takes_either_layout(tiny_params, monkeypatch):
     prompts = [[5, 9, 2, 44], [8, 1]]
     a = G.generate(tiny_params, TINY, prompts, cache="kivi2", max_new_tokens=6)
-    b = G.generate(llama.unstack_layers(tiny_params), TINY, prompts, cache="kivi2",
-                   max_new_tokens=6)
+    b = G.generate(
+        llama.unstack_layers(tiny_params), TINY, prompts, cache="kivi2", max_new_tokens=6
+    )
     assert a.tokens == b.tokens
     if jax.default_backend() != "gpu":
         assert G.decode_layout(tiny_params) is tiny_params  # CPUs: the stacked scan
@@ -289,15 +317,18 @@ def test_bucket():
 def test_generate_batch_equals_single_and_stream(tiny_params):
     cfg = TINY
     prompts = [[5, 9, 2, 44, 17, 3, 60], [8, 1, 30]]
-    out = G.generate(tiny_params, cfg, prompts, cache="kivi2", max_new_tokens=10,
-                     residual_length=32)
+    out = G.generate(
+        tiny_params, cfg, prompts, cache="kivi2", max_new_tokens=10, residual_length=32
+    )
     assert [len(t) for t in out.tokens] == [10, 10]
     for p, toks in zip(prompts, out.tokens, strict=True):
-        single = G.generate(tiny_params, cfg, [p], cache="kivi2", max_new_tokens=10,
-                            residual_length=32)
+        single = G.generate(
+            tiny_params, cfg, [p], cache="kivi2", max_new_tokens=10, residual_length=32
+        )
         assert single.tokens[0] == toks
-        streamed = list(G.stream(tiny_params, cfg, p, cache="kivi2", max_new_tokens=10,
-                                 residual_length=32))
+        streamed = list(
+            G.stream(tiny_params, cfg, p, cache="kivi2", max_new_tokens=10, residual_length=32)
+        )
         assert streamed == toks
 
 
@@ -309,12 +340,30 @@ def test_generate_stops_and_samples(tiny_params):
     out = G.generate(tiny_params, cfg, prompts, max_new_tokens=12, stop_ids=[stop])
     cut = free.tokens[0].index(stop) + 1
     assert out.tokens[0] == free.tokens[0][:cut] and out.stopped[0]
-    s1 = G.generate(tiny_params, cfg, prompts, max_new_tokens=12,
-                    sampling=G.Sampling(temperature=1.5, top_p=0.95), seed=1)
-    s2 = G.generate(tiny_params, cfg, prompts, max_new_tokens=12,
-                    sampling=G.Sampling(temperature=1.5, top_p=0.95), seed=1)
-    s3 = G.generate(tiny_params, cfg, prompts, max_new_tokens=12,
-                    sampling=G.Sampling(temperature=1.5, top_p=0.95), seed=2)
+    s1 = G.generate(
+        tiny_params,
+        cfg,
+        prompts,
+        max_new_tokens=12,
+        sampling=G.Sampling(temperature=1.5, top_p=0.95),
+        seed=1,
+    )
+    s2 = G.generate(
+        tiny_params,
+        cfg,
+        prompts,
+        max_new_tokens=12,
+        sampling=G.Sampling(temperature=1.5, top_p=0.95),
+        seed=1,
+    )
+    s3 = G.generate(
+        tiny_params,
+        cfg,
+        prompts,
+        max_new_tokens=12,
+        sampling=G.Sampling(temperature=1.5, top_p=0.95),
+        seed=2,
+    )
     assert s1.tokens == s2.tokens and s1.tokens != s3.tokens
     with pytest.raises(ValueError, match="max_position_embeddings"):
         G.generate(tiny_params, cfg, [[1] * 500], max_new_tokens=20)
@@ -325,8 +374,9 @@ def test_second_prompt_in_bucket_compiles_nothing(tiny_params):
     G.generate(tiny_params, cfg, [[1, 2, 3, 4, 5]], cache="kivi4", max_new_tokens=9)
     n_programs, _ = G.compiled_programs(), None
     n_compiles, _ = G.compile_stats()
-    again = G.generate(tiny_params, cfg, [[7, 8, 9, 10, 11, 12, 13, 14, 15]], cache="kivi4",
-                       max_new_tokens=13)  # same buckets: prompt 16, output 16
+    again = G.generate(
+        tiny_params, cfg, [[7, 8, 9, 10, 11, 12, 13, 14, 15]], cache="kivi4", max_new_tokens=13
+    )  # same buckets: prompt 16, output 16
     assert G.compiled_programs() == n_programs
     assert G.compile_stats()[0] == n_compiles
     assert again.compile_seconds == 0.0
@@ -343,8 +393,20 @@ def test_bench_generate_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_generate", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(["--tiny", "--points", "2x40", "--caches", "fp16,kivi2", "--steps", "3",
-                    "--no-max-batch", "--out", str(tmp_path)])
+    res = mod.main(
+        [
+            "--tiny",
+            "--points",
+            "2x40",
+            "--caches",
+            "fp16,kivi2",
+            "--steps",
+            "3",
+            "--no-max-batch",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["cache"] for r in res["points"]] == ["fp16", "kivi2"]
     assert all(r["tokens_per_s"] > 0 for r in res["points"]), res["points"]
     assert (tmp_path / "generate_bench.json").is_file()

@@ -62,7 +62,14 @@ def test_cache_order_is_an_involution_giving_each_warp_consecutive_tokens():
     np.testing.assert_array_equal(cache_slot(s), t)
     np.testing.assert_array_equal(s // 256, t // 256)
     assert [cache_slot(x) for x in (0, 15, 16, 63, 64, 255, 256 + 17)] == [
-        0, 15, 64, 207, 16, 255, 256 + 65]
+        0,
+        15,
+        64,
+        207,
+        16,
+        255,
+        256 + 65,
+    ]
     for w in range(4):
         rows = [256 + 64 * p + 16 * w + r for p in range(4) for r in range(16)]
         assert sorted(cache_slot(np.array(rows)) - 256) == list(range(64 * w, 64 * w + 64))
@@ -85,8 +92,7 @@ def test_token_packing_is_the_cache_order_then_token_planar(bits):
         s = int(cache_slot(t))
         byte = (s // (per * 64)) * 64 + s % 64
         j = (s // 64) % per
-        np.testing.assert_array_equal((packed[byte, cols] >> (bits * j)) & (2**bits - 1),
-                                      codes[t])
+        np.testing.assert_array_equal((packed[byte, cols] >> (bits * j)) & (2**bits - 1), codes[t])
     np.testing.assert_array_equal(unpack_tokens(packed, bits, axis=0), codes)
     # values: the packed axis is the row
     packed_t = np.asarray(pack_tokens(codes.T, bits, axis=1))
@@ -95,7 +101,8 @@ def test_token_packing_is_the_cache_order_then_token_planar(bits):
         byte = (s // (per * 64)) * 64 + s % 64
         np.testing.assert_array_equal(
             (packed_t[:, int(swapped_byte(byte))] >> (bits * ((s // 64) % per))) & (2**bits - 1),
-            codes[t])
+            codes[t],
+        )
     with pytest.raises(ValueError, match="multiple of 4"):
         pack_tokens(codes[:, :3], bits, axis=0)
 

@@ -1,11 +1,8 @@
 """bench/sass_static.py: the main loop's opcode mix from nvdisasm text (no GPU or CUDA needed)."""
-import importlib.util
-import pathlib
 
-_spec = importlib.util.spec_from_file_location(
-    "sass_static", pathlib.Path(__file__).parent.parent / "bench" / "sass_static.py")
-sass_static = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_static)
+import collections
+
+from bench import sass_static
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -41,3 +38,19 @@ def test_step_loop_is_the_smallest_with_every_mma():
     assert (lo, hi) == (2, 3)
     assert mix == {"HMMA": 1, "BRA": 1}
     assert sass_static.main_loop_mix("        /*0000*/  EXIT ;\n", "step")[1:] == (0, -1)
+
+
+def test_table_orders_opcodes_by_their_largest_count_and_sums_all():
+    a = collections.Counter(HMMA=4, LOP3=9, BRA=1)
+    b = collections.Counter(HMMA=12, LDS=2)
+    table = sass_static.mix_table([a, b], ["a", "b"], top=2).splitlines()
+    assert table[0] == "| opcode | a | b |"
+    assert table[2:] == ["| HMMA | 4 | 12 |", "| LOP3 | 9 | 0 |", "| all | 14 | 14 |"]
+
+
+def test_column_labels_are_file_stems_unless_they_repeat():
+    assert sass_static.labels(["/t/2_2_128_default.ptx", "/t/4_4_32_default.ptx"]) == [
+        "2_2_128_default",
+        "4_4_32_default",
+    ]
+    assert sass_static.labels(["/a/kernel.ptx", "/b/kernel.ptx"]) == ["a/kernel", "b/kernel"]

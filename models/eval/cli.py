@@ -42,8 +42,11 @@ def ppl_cmd(
     ] = None,
     dtype: DtypeOpt = "float32",
     implementation: Annotated[
-        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas, "
-                          "auto-lowp, pallas-lowp")
+        str,
+        typer.Option(
+            help="Decode attention: auto (as generate), reference, folded, pallas, "
+            "auto-lowp, pallas-lowp"
+        ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -71,9 +74,17 @@ def ppl_cmd(
         if not tokens:
             raise ValueError("the text tokenizes to no tokens")
         out = ppl.evaluate_ppl(
-            params, config, tokens, spec, protocol=protocol, prefill_len=prefill,
-            decode_len=decode, windows=windows, batch_size=batch_size,
-            max_positions=config.max_position_embeddings, implementation=implementation,
+            params,
+            config,
+            tokens,
+            spec,
+            protocol=protocol,
+            prefill_len=prefill,
+            decode_len=decode,
+            windows=windows,
+            batch_size=batch_size,
+            max_positions=config.max_position_embeddings,
+            implementation=implementation,
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -116,8 +127,11 @@ def passkey_cmd(
     ] = None,
     dtype: DtypeOpt = "float32",
     implementation: Annotated[
-        str, typer.Option(help="Decode attention: auto (as generate), reference, folded, pallas, "
-                          "auto-lowp, pallas-lowp")
+        str,
+        typer.Option(
+            help="Decode attention: auto (as generate), reference, folded, pallas, "
+            "auto-lowp, pallas-lowp"
+        ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -142,9 +156,18 @@ def passkey_cmd(
         config, params, tokenizer = load_model(model, dtype, progress=not as_json)
         params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         results = passkey.evaluate_passkey(
-            params, config, tokenizer, specs, lengths=lens, depths=deps, trials=trials,
-            seed=seed, chat_template=chat_template, max_new_tokens=max_new_tokens,
-            max_positions=config.max_position_embeddings, implementation=implementation,
+            params,
+            config,
+            tokenizer,
+            specs,
+            lengths=lens,
+            depths=deps,
+            trials=trials,
+            seed=seed,
+            chat_template=chat_template,
+            max_new_tokens=max_new_tokens,
+            max_positions=config.max_position_embeddings,
+            implementation=implementation,
             on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
             batch_size=batch_size,
         )
@@ -188,8 +211,22 @@ def report_cmd(
     if not write_only:
         report.run_grid(results, settings, log=lambda m: typer.echo(m))
     # The command that reproduces the grid (the same whether this call ran it or only wrote).
-    args = ["--results", results, "--docs", docs, "--model", model, "--prefill", str(prefill),
-            "--decode", str(decode), "--windows", str(windows), "--trials", str(trials)]
+    args = [
+        "--results",
+        results,
+        "--docs",
+        docs,
+        "--model",
+        model,
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--windows",
+        str(windows),
+        "--trials",
+        str(trials),
+    ]
     command = "kivi-jax eval report " + " ".join(shlex.quote(a) for a in args)
     md = report.write_report(results, docs, command, extra=tuple(extra_ppl or ()))
     typer.echo(f"wrote {md}")

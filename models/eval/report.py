@@ -67,31 +67,51 @@ def plan(settings: GridSettings) -> list[dict]:
     """The tasks in priority order; each has a unique "id"."""
     tasks: list[dict] = [{"id": "keys", "kind": "keys"}]
     for s in CORE:
-        tasks.append({"id": f"stream:{_spec_key(s)}", "kind": "ppl", "protocol": "streaming",
-                      "spec": s})
+        tasks.append(
+            {"id": f"stream:{_spec_key(s)}", "kind": "ppl", "protocol": "streaming", "spec": s}
+        )
     for s in CORE:
         s0 = dataclasses.replace(s, residual_length=0)
-        tasks.append({"id": f"sim:{_spec_key(s0)}", "kind": "ppl", "protocol": "simulated",
-                      "spec": s0})
-    tasks.append({"id": "passkey:short", "kind": "passkey", "lengths": settings.passkey_lengths,
-                  "depths": settings.passkey_depths})
+        tasks.append(
+            {"id": f"sim:{_spec_key(s0)}", "kind": "ppl", "protocol": "simulated", "spec": s0}
+        )
+    tasks.append(
+        {
+            "id": "passkey:short",
+            "kind": "passkey",
+            "lengths": settings.passkey_lengths,
+            "depths": settings.passkey_depths,
+        }
+    )
     for name in ("kivi2", "kivi4"):
         for g in GROUPS:
             for r in RESIDUALS:
                 if r % g:
                     continue
                 s = CacheSpec(name, g, r)
-                tasks.append({"id": f"stream:{_spec_key(s)}", "kind": "ppl",
-                              "protocol": "streaming", "spec": s})
+                tasks.append(
+                    {
+                        "id": f"stream:{_spec_key(s)}",
+                        "kind": "ppl",
+                        "protocol": "streaming",
+                        "spec": s,
+                    }
+                )
     for name in ("kivi2", "kivi4"):
         for g in GROUPS:
             s = CacheSpec(name, g, 0)
-            tasks.append({"id": f"sim:{_spec_key(s)}", "kind": "ppl", "protocol": "simulated",
-                          "spec": s})
-    tasks.append({"id": "passkey:long", "kind": "passkey",
-                  "lengths": settings.passkey_long_lengths,
-                  "depths": settings.passkey_long_depths,
-                  "batch_size": settings.passkey_long_batch})
+            tasks.append(
+                {"id": f"sim:{_spec_key(s)}", "kind": "ppl", "protocol": "simulated", "spec": s}
+            )
+    tasks.append(
+        {
+            "id": "passkey:long",
+            "kind": "passkey",
+            "lengths": settings.passkey_long_lengths,
+            "depths": settings.passkey_long_depths,
+            "batch_size": settings.passkey_long_batch,
+        }
+    )
     seen, out = set(), []
     for t in tasks:
         if t["id"] not in seen:
@@ -166,8 +186,14 @@ def key_magnitudes(params, config, tokens: np.ndarray, layers) -> dict:
         return ks, vs
 
     ks, vs = run(params, jnp.asarray(tokens[None], jnp.int32))
-    out = {"layers": list(layers), "tokens": int(tokens.shape[0]), "k": [], "v": [],
-           "outlier_ratio_k": [], "outlier_ratio_v": []}
+    out = {
+        "layers": list(layers),
+        "tokens": int(tokens.shape[0]),
+        "k": [],
+        "v": [],
+        "outlier_ratio_k": [],
+        "outlier_ratio_v": [],
+    }
     for layer in layers:
         k = np.abs(np.asarray(ks[layer, 0], np.float32)).mean(axis=1)  # [Hkv, D]
         v = np.abs(np.asarray(vs[layer, 0], np.float32)).mean(axis=1)
@@ -211,16 +237,27 @@ def run_grid(
             elif t["kind"] == "ppl":
                 rec.update(
                     ppl.evaluate_ppl(
-                        params, config, tokens, t["spec"], protocol=t["protocol"],
-                        prefill_len=settings.prefill, decode_len=settings.decode,
-                        windows=settings.windows, max_positions=config.max_position_embeddings,
+                        params,
+                        config,
+                        tokens,
+                        t["spec"],
+                        protocol=t["protocol"],
+                        prefill_len=settings.prefill,
+                        decode_len=settings.decode,
+                        windows=settings.windows,
+                        max_positions=config.max_position_embeddings,
                         batch_size=settings.windows if t["protocol"] == "streaming" else 1,
                     )
                 )
             else:
                 rec["results"] = passkey.evaluate_passkey(
-                    params, config, tokenizer, PASSKEY_CACHES, lengths=t["lengths"],
-                    depths=t["depths"], trials=settings.passkey_trials,
+                    params,
+                    config,
+                    tokenizer,
+                    PASSKEY_CACHES,
+                    lengths=t["lengths"],
+                    depths=t["depths"],
+                    trials=settings.passkey_trials,
                     max_positions=config.max_position_embeddings,
                     on_cell=lambda n, d: log(f"  passkey cell {n} {d}"),
                     batch_size=t.get("batch_size"),
@@ -238,22 +275,32 @@ def run_grid(
         rec["task_seconds"] = round(time.perf_counter() - t0, 1)
         with path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        log(f"[{time.strftime('%H:%M:%S')}] done {t['id']} in {rec['task_seconds']} s: "
-            + (rec.get("error") or (f"ppl {rec['ppl']:.3f}" if "ppl" in rec else "ok")))
+        log(
+            f"[{time.strftime('%H:%M:%S')}] done {t['id']} in {rec['task_seconds']} s: "
+            + (rec.get("error") or (f"ppl {rec['ppl']:.3f}" if "ppl" in rec else "ok"))
+        )
 
 
 def _describe_loose(spec: CacheSpec) -> dict:
     import kivi_jax
 
-    base = {"cache": spec.name, "group_size": spec.group_size,
-            "residual_length": spec.residual_length}
+    base = {
+        "cache": spec.name,
+        "group_size": spec.group_size,
+        "residual_length": spec.residual_length,
+    }
     try:
         cfg = kivi_jax.cache_config(spec.name, spec.group_size, spec.residual_length)
     except ValueError:
         return base
     if cfg is not None:
-        base.update({"key_bits": cfg.key_bits, "value_bits": cfg.value_bits,
-                     "bits_per_element": cfg.bits_per_element(64)})
+        base.update(
+            {
+                "key_bits": cfg.key_bits,
+                "value_bits": cfg.value_bits,
+                "bits_per_element": cfg.bits_per_element(64),
+            }
+        )
     return base
 
 
@@ -286,27 +333,44 @@ def plot_ppl(records: list[dict], out: Path) -> None:
         rs = [r for r in records if r.get("protocol") == proto and "ppl" in r]
         for r in rs:
             if r["cache"] == "fp16":
-                ax.axhline(r["ppl"], color="k", ls="--" if proto == "streaming" else ":", lw=1,
-                           label=f"fp16 (16 bits), {proto}")
+                ax.axhline(
+                    r["ppl"],
+                    color="k",
+                    ls="--" if proto == "streaming" else ":",
+                    lw=1,
+                    label=f"fp16 (16 bits), {proto}",
+                )
                 continue
             label = r["cache"] if r["cache"] not in seen else None
             seen.add(r["cache"])
-            ax.scatter(r["bits_per_element"], r["ppl"], marker=marker,
-                       color=colors.get(r["cache"], "grey"), s=36, alpha=0.85, label=label,
-                       facecolors="none" if proto == "simulated" else None)
+            ax.scatter(
+                r["bits_per_element"],
+                r["ppl"],
+                marker=marker,
+                color=colors.get(r["cache"], "grey"),
+                s=36,
+                alpha=0.85,
+                label=label,
+                facecolors="none" if proto == "simulated" else None,
+            )
             if r["cache"] == "kivi2":
                 tag = f"G{r['group_size']}" + (
-                    f" R{r['residual_length']}" if proto == "streaming" else " sim")
-                ax.annotate(tag, (r["bits_per_element"], r["ppl"]), fontsize=6.5,
-                            xytext=(5, -2), textcoords="offset points")
+                    f" R{r['residual_length']}" if proto == "streaming" else " sim"
+                )
+                ax.annotate(
+                    tag,
+                    (r["bits_per_element"], r["ppl"]),
+                    fontsize=6.5,
+                    xytext=(5, -2),
+                    textcoords="offset points",
+                )
     ax.set_xlabel("bits per cached K/V element (scales included; fp16 = 16, drawn as lines)")
     ax.set_ylabel("perplexity (pydoc)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, title="filled: streaming, open: simulated", title_fontsize=8)
     r0 = next((r for r in records if "prefill" in r), None)
-    sub = "" if r0 is None else (f" (P={r0['prefill']}, T={r0['decode']}, "
-                                 f"{r0['windows']} windows)")
+    sub = "" if r0 is None else (f" (P={r0['prefill']}, T={r0['decode']}, {r0['windows']} windows)")
     ax.set_title(f"{records[0].get('model', '')}: perplexity against cache bits{sub}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -322,8 +386,9 @@ def plot_passkey(results: list[dict], out: Path) -> None:
     n = len(results)
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False, layout="constrained"
+    )
     for ax, res in zip(axes.ravel(), results, strict=False):
         lengths = sorted({c["length"] for c in res["cells"]})
         depths = sorted({c["depth"] for c in res["cells"]})
@@ -361,8 +426,10 @@ def plot_keys(rec: dict, out: Path) -> None:
             mags = np.asarray(rec[kind][j])  # [Hkv, D]
             for h in range(mags.shape[0]):
                 ax.plot(mags[h], lw=0.9, label=f"kv head {h}")
-            ax.set_title(f"layer {layer} {name}s (max/median "
-                         f"{rec['outlier_ratio_' + kind][j]:.1f})", fontsize=9)
+            ax.set_title(
+                f"layer {layer} {name}s (max/median {rec['outlier_ratio_' + kind][j]:.1f})",
+                fontsize=9,
+            )
             ax.set_xlabel("channel")
             if j == 0:
                 ax.set_ylabel("mean |x| over tokens")
@@ -463,8 +530,7 @@ def write_report(
         "## Checking a model of your own",
         "",
         "```",
-        "kivi-jax eval ppl --model PATH --cache fp16 --json          # streaming, P=1536 T=512 "
-        "x16",
+        "kivi-jax eval ppl --model PATH --cache fp16 --json          # streaming, P=1536 T=512 x16",
         "kivi-jax eval ppl --model PATH --cache kivi2 --group-size 32 --residual 128 --json",
         "kivi-jax eval ppl --model PATH --cache kivi2 --protocol simulated --json",
         "kivi-jax eval passkey --model PATH --cache fp16 --cache kivi2 --cache kivi4",
@@ -509,8 +575,18 @@ def _ppl_tables(stream: list[dict], sim: list[dict]) -> list[str]:
     return out
 
 
-_NAME_ORDER = ("fp16", "kivi8", "kivi4", "k4v2", "k2v4", "kivi2", "pertoken4", "pertoken2",
-               "valchannel4", "valchannel2")
+_NAME_ORDER = (
+    "fp16",
+    "kivi8",
+    "kivi4",
+    "k4v2",
+    "k2v4",
+    "kivi2",
+    "pertoken4",
+    "pertoken2",
+    "valchannel4",
+    "valchannel2",
+)
 
 
 def _order(r):
@@ -521,9 +597,11 @@ def _order(r):
 
 def _ppl_table(recs, base: float | None) -> list[str]:
     """A perplexity table: header, then one row per record in cache order."""
-    return ["| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-            *(_row(r, base) for r in sorted(recs, key=_order))]
+    return [
+        "| cache | G | R | bits/elem | perplexity | vs fp16 | scored tokens | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *(_row(r, base) for r in sorted(recs, key=_order)),
+    ]
 
 
 def _row(r: dict, base: float | None) -> str:
@@ -532,11 +610,15 @@ def _row(r: dict, base: float | None) -> str:
     if r.get("protocol") == "simulated" and r["cache"] != "fp16":
         res = "n/a"
     if "error" in r:
-        return (f"| {r['cache']} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
-                f"not run: {r['error'].split(' (')[0]} | | | |")
+        return (
+            f"| {r['cache']} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
+            f"not run: {r['error'].split(' (')[0]} | | | |"
+        )
     rel = "" if base is None else f"{(r['ppl'] / base - 1) * 100:+.1f}%"
-    return (f"| {r['cache']} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
-            f"{rel} | {r['n_tokens']} | {r['seconds']:.0f} |")
+    return (
+        f"| {r['cache']} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
+        f"{rel} | {r['n_tokens']} | {r['seconds']:.0f} |"
+    )
 
 
 def _merge_passkey(passkeys: list[dict]) -> list[dict]:
@@ -566,9 +648,11 @@ def _passkey_tables(passkeys: list[dict]) -> list[str]:
         f"{r0['seed']}), chat template {'on' if r0['chat_template'] else 'off'}, "
         f"{r0['max_new_tokens']} new tokens. Depths per length: "
         + "; ".join(
-            f"{n // 1024}k: " + ", ".join(
-                f"{int(d * 100)}%" for d in sorted({c['depth'] for c in merged[0]['cells']
-                                                   if c['length'] == n}))
+            f"{n // 1024}k: "
+            + ", ".join(
+                f"{int(d * 100)}%"
+                for d in sorted({c["depth"] for c in merged[0]["cells"] if c["length"] == n})
+            )
             for n in lengths
         )
         + ". White cells in the plot were not run. Accuracy per length (mean over the depths "
@@ -593,8 +677,9 @@ def _find(recs: list[dict], name: str, g: int | None = 32, r: int | None = 128) 
     for x in recs:
         if "ppl" not in x or x["cache"] != name:
             continue
-        if name == "fp16" or (x.get("group_size") == g and (r is None or
-                                                            x.get("residual_length") == r)):
+        if name == "fp16" or (
+            x.get("group_size") == g and (r is None or x.get("residual_length") == r)
+        ):
             return x["ppl"]
     return None
 
@@ -603,8 +688,10 @@ def _check(claim: str, a: float | None, op: str, b: float | None, an: str, bn: s
     if a is None or b is None:
         return f"- {claim}: not measured in this run."
     holds = a < b if op == "<" else a > b
-    return (f"- {claim}: {'holds' if holds else 'does NOT hold'} "
-            f"({an} {a:.3f} {op if holds else ('>=' if op == '<' else '<=')} {bn} {b:.3f}).")
+    return (
+        f"- {claim}: {'holds' if holds else 'does NOT hold'} "
+        f"({an} {a:.3f} {op if holds else ('>=' if op == '<' else '<=')} {bn} {b:.3f})."
+    )
 
 
 def _observations(stream: list[dict], sim: list[dict]) -> list[str]:
@@ -629,41 +716,62 @@ def _observations(stream: list[dict], sim: list[dict]) -> list[str]:
     for label, recs, r in (("streaming", stream, 128), ("simulated", sim, 0)):
         if not recs:
             continue
-        out.append(f"- {label.capitalize()} checks against the paper (G=32"
-                   + (f", R={r}" if label == "streaming" else "") + "):")
+        out.append(
+            f"- {label.capitalize()} checks against the paper (G=32"
+            + (f", R={r}" if label == "streaming" else "")
+            + "):"
+        )
         pairs = [
-            ("per-channel keys beat per-token keys at 2 bits (paper Table 1)",
-             "kivi2", "pertoken2"),
+            (
+                "per-channel keys beat per-token keys at 2 bits (paper Table 1)",
+                "kivi2",
+                "pertoken2",
+            ),
             ("per-channel keys beat per-token keys at 4 bits", "kivi4", "pertoken4"),
-            ("per-token values beat per-channel values at 2 bits (paper: per-channel V "
-             "collapses)", "kivi2", "valchannel2"),
+            (
+                "per-token values beat per-channel values at 2 bits (paper: per-channel V "
+                "collapses)",
+                "kivi2",
+                "valchannel2",
+            ),
             ("4-bit beats 2-bit", "kivi4", "kivi2"),
             ("4-bit keys with 2-bit values beat 2-bit keys and values", "k4v2", "kivi2"),
         ]
         for claim, a, b in pairs:
-            out.append("  " + _check(claim, _find(recs, a, 32, r), "<", _find(recs, b, 32, r),
-                                     a, b))
+            out.append(
+                "  " + _check(claim, _find(recs, a, 32, r), "<", _find(recs, b, 32, r), a, b)
+            )
         base = _find(recs, "fp16")
         k4 = _find(recs, "kivi4", 32, r)
         if base is not None and k4 is not None:
-            out.append(f"  - KIVI-4 costs {(k4 / base - 1) * 100:+.1f}% perplexity over fp16 "
-                       "(an independent SmolLM2-135M port reports +2.6%: 28.87 -> 29.63).")
+            out.append(
+                f"  - KIVI-4 costs {(k4 / base - 1) * 100:+.1f}% perplexity over fp16 "
+                "(an independent SmolLM2-135M port reports +2.6%: 28.87 -> 29.63)."
+            )
         k2 = _find(recs, "kivi2", 32, r)
         if base is not None and k2 is not None:
-            out.append(f"  - KIVI-2 costs {(k2 / base - 1) * 100:+.1f}% (the same port: "
-                       "+55%, 28.87 -> 44.85).")
+            out.append(
+                f"  - KIVI-2 costs {(k2 / base - 1) * 100:+.1f}% (the same port: "
+                "+55%, 28.87 -> 44.85)."
+            )
     if stream:
         for name in ("kivi2", "kivi4"):
             rs = [(rr, _find(stream, name, 32, rr)) for rr in (0, 32, 128)]
             rs = [(rr, v) for rr, v in rs if v is not None]
             if len(rs) > 1:
-                out.append(f"- {name}, G=32, residual window: " + ", ".join(
-                    f"R={rr}: {v:.3f}" for rr, v in rs) + ".")
+                out.append(
+                    f"- {name}, G=32, residual window: "
+                    + ", ".join(f"R={rr}: {v:.3f}" for rr, v in rs)
+                    + "."
+                )
             gs = [(g, _find(stream, name, g, 128)) for g in (32, 64)]
             gs = [(g, v) for g, v in gs if v is not None]
             if len(gs) > 1:
-                out.append(f"- {name}, R=128, group size: " + ", ".join(
-                    f"G={g}: {v:.3f}" for g, v in gs) + ".")
+                out.append(
+                    f"- {name}, R=128, group size: "
+                    + ", ".join(f"G={g}: {v:.3f}" for g, v in gs)
+                    + "."
+                )
     out.append("")
     return out
 
@@ -674,9 +782,20 @@ def _memory_section() -> list[str]:
     from models.eval.memory_cli import compute_memory
 
     res = compute_memory(
-        model="llama-3-70b", tokens=1 << 20, batch=1, gpu_memory="141GB", num_gpus=1,
-        weights="int4", caches=["fp16", "kivi8", "kivi4", "k4v2", "kivi2"], group_size=32,
-        residual=128, layers=None, kv_heads=None, head_dim=None, params=None, dtype_bytes=2,
+        model="llama-3-70b",
+        tokens=1 << 20,
+        batch=1,
+        gpu_memory="141GB",
+        num_gpus=1,
+        weights="int4",
+        caches=["fp16", "kivi8", "kivi4", "k4v2", "kivi2"],
+        group_size=32,
+        residual=128,
+        layers=None,
+        kv_heads=None,
+        head_dim=None,
+        params=None,
+        dtype_bytes=2,
     )
     out = [
         "## Memory calculator",

@@ -1,0 +1,295 @@
+"""`kivi_decode`: the public call of the KIVI decode kernel (input checks, the query's prologue
+where the kernel does not run it, the launch, the merge of the splits)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kivi_decode.config import (
+    MAX_PADDED_HEADS,
+    SMEM_LIMIT,
+    SUPPORTED_BITS,
+    SUPPORTED_GROUPS,
+    SUPPORTED_HEAD_DIMS,
+    Plan,
+    TuningConfig,
+    choose_tuning,
+    padded_heads,
+    smem_bytes,
+    value_channel_order,
+)
+from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
+from pallas_kernels.merge import merge_partials
+from pallas_kernels.sm90.layout import PLANE, permute_contraction
+
+_MMA_DTYPE = jnp.float16  # fp16 operands: 3 more mantissa bits than bf16 for the codes
+
+
+def check_inputs(
+    q,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    num_tokens,
+    layer,
+    key_bits,
+    value_bits,
+    group_size,
+):
+    """Validates shapes and dtypes; returns (L, B, Hq, Hkv, D, Tq)."""
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits not in SUPPORTED_BITS:
+            raise NotImplementedError(f"{name}={bits}: only {SUPPORTED_BITS} are supported")
+    if group_size not in SUPPORTED_GROUPS:
+        raise NotImplementedError(f"group_size={group_size}: only {SUPPORTED_GROUPS} are supported")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"q dtype {q.dtype}: only bfloat16 and float16 are supported")
+    B, Hq, D = q.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim D={D}: only {SUPPORTED_HEAD_DIMS} are supported")
+    if D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim D={D} (value groups)")
+    if k_codes.ndim != 5:
+        raise ValueError(f"k_codes must be [L, B, Hkv, Tq/Pk, D], got shape {k_codes.shape}")
+    L, _, Hkv, _, _ = k_codes.shape
+    Pk, Pv = 8 // key_bits, 8 // value_bits
+    Tq = k_codes.shape[3] * Pk
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"q heads Hq={Hq} must be a multiple of the kv heads Hkv={Hkv}")
+    if Tq % 256 or Tq == 0:
+        raise ValueError(
+            f"quantized capacity Tq={Tq} (from k_codes) must be a positive multiple of 256"
+        )
+    expect = {
+        "k_codes": ((L, B, Hkv, Tq // Pk, D), jnp.uint8),
+        "k_scale": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "k_min": ((L, B, Hkv, Tq // group_size, D), jnp.float16),
+        "v_codes": (
+            (
+                (L, B, Hkv, Tq // Pv // PLANE, D, PLANE)
+                if v_codes.ndim == 6
+                else (L, B, Hkv, D, Tq // Pv)
+            ),
+            jnp.uint8,
+        ),
+        "v_scale": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+        "v_min": ((L, B, Hkv, D // group_size, Tq), jnp.float16),
+    }
+    got = dict(
+        k_codes=k_codes, k_scale=k_scale, k_min=k_min, v_codes=v_codes, v_scale=v_scale, v_min=v_min
+    )
+    for name, (shape, dtype) in expect.items():
+        x = got[name]
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} (docs/layout.md), got {tuple(x.shape)}"
+            )
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ValueError(f"{name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}")
+    nt_type = jnp.result_type(num_tokens)
+    if tuple(jnp.shape(num_tokens)) != (B,) or not jnp.issubdtype(nt_type, jnp.integer):
+        raise ValueError(f"num_tokens must be an int32 [B={B}] array, got {jnp.shape(num_tokens)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if Hq // Hkv > MAX_PADDED_HEADS:
+        raise NotImplementedError(
+            f"Hq/Hkv={Hq // Hkv} query heads per kv head (max {MAX_PADDED_HEADS})"
+        )
+    return L, B, Hq, Hkv, D, Tq
+
+
+def q_operand(q, plan: Plan, sm_scale):
+    """q [B, Hq, D] -> the key product's B tiles [B, Hkv, 1, NP, D] fp16: times sm_scale in
+    float32, the padded heads zero (pack_planes without pack_zeros: q's heads repeated in
+    columns 4-7), natively the byte-permuted contraction order. What the kernel does itself
+    with q_prologue."""
+    B, Hq, D = q.shape
+    Hkv, nq, NP = plan.Hkv, plan.nq, plan.NP
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
+    qf = qf.astype(_MMA_DTYPE)
+    if plan.native:  # key tile channels in the _PERM16 order
+        qf = permute_contraction(qf)
+    qf = jnp.swapaxes(qf.reshape(B, Hkv, NP, 1, D), 2, 3)
+    if plan.pk and not plan.tuning.pack_zeros:  # q's heads also in columns 4-7: B for both
+        qf = qf + jnp.roll(qf, 4, axis=3)
+    return qf
+
+
+def kernel_call(
+    q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale, tuning, interpret
+):
+    """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
+    (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
+    in-kernel merge, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP]))."""
+    L, B, Hq, Hkv, D, Tq = check_inputs(
+        q, *cache, num_tokens, layer, key_bits, value_bits, group_size
+    )
+    plan = Plan(
+        tuning=tuning,
+        B=B,
+        Hkv=Hkv,
+        nq=Hq // Hkv,
+        D=D,
+        Tq=Tq,
+        L=L,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        G=group_size,
+        interpret=interpret,
+        vblock=cache[3].ndim == 6,
+    )
+    # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
+    # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
+    sm_scale = sm_scale * float(np.log2(np.e))
+    if plan.q_in_kernel:
+        qf, q_scale = q.reshape(B, Hkv, plan.nq, D), sm_scale  # the kernel's own prologue
+    else:
+        qf, q_scale = q_operand(q, plan, sm_scale), None
+    # the layer and the row lengths as operands of their own: no concatenation to run per call
+    layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(B)
+    k_codes, k_scale, k_min, v_codes, v_scale, v_min = cache
+    v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // VCH, VCH)  # free: splits minor dim
+    v_min = v_min.reshape(*v_min.shape[:-1], Tq // VCH, VCH)
+    cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    return build_kernel(plan, q_scale), (layer1, num_tokens, qf, *cache), plan
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret"),
+)
+def _kivi_decode(
+    q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale, tuning, interpret
+):
+    kern, args, plan = kernel_call(
+        q,
+        cache,
+        num_tokens,
+        layer,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
+    o, lse = kern(*args)
+    if plan.cluster:  # merged in the kernel: [B, Hkv, D, NP]
+        o = jnp.swapaxes(o, -1, -2)
+    else:
+        o, lse = merge_partials(jnp.swapaxes(o, -1, -2), lse, axis=2)  # [B, Hkv, NP, D]
+    rows = value_channel_order(plan)
+    if rows is not None:  # fold_v_warp: output rows in the warps' order
+        o = jnp.take(o, np.argsort(rows), axis=-1)
+    B, Hq, D = q.shape
+    nq = plan.nq
+    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+
+
+def kivi_decode(
+    q,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    num_tokens,
+    layer,
+    *,
+    key_bits: int,
+    value_bits: int,
+    group_size: int,
+    sm_scale: float,
+    tuning: TuningConfig | None = None,
+    interpret=False,
+    low_precision: bool = False,
+):
+    """Decode attention of one query token per row over the quantized KIVI cache of one layer.
+
+    q: [B, Hq, D] bf16/fp16. Cache arrays as docs/layout.md with the leading L axis:
+    k_codes [L,B,Hkv,Tq/Pk,D] u8, k_scale/k_min [L,B,Hkv,Tq/G,D] f16, v_codes u8 as rows
+    [L,B,Hkv,D,Tq/Pv] or in blocks of 64 byte columns [L,B,Hkv,Tq/(64 Pv),D,64] (the cache
+    blocks them at 2 bits, where the kernel is faster over blocks, and keeps rows at 4; either
+    form gives the same bits), v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend
+    to positions [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be
+    traced). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log sum-exp of the
+    scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
+
+    `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the kernel under
+    the Mosaic GPU interpreter (any backend). `low_precision`: the fp8 value product
+    (`TuningConfig.fp8_values`; it applies at G = D and changes nothing elsewhere) on `tuning`
+    or on choose_tuning's, the key product staying exact.
+    Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
+    on unsupported bits, group sizes, head dims or dtypes.
+    """
+    _, B, Hq, Hkv, D, Tq = check_inputs(
+        q,
+        k_codes,
+        k_scale,
+        k_min,
+        v_codes,
+        v_scale,
+        v_min,
+        num_tokens,
+        layer,
+        key_bits,
+        value_bits,
+        group_size,
+    )
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    elif interpret is None:
+        interpret = False
+    if tuning is None:
+        tuning = choose_tuning(
+            B,
+            Hkv,
+            Tq,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            group_size=group_size,
+            head_dim=D,
+            fp8_values=low_precision,
+            q_heads=Hq // Hkv,
+        )
+    elif low_precision:
+        tuning = dataclasses.replace(tuning, fp8_values=True)
+    smem = smem_bytes(
+        tuning,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        head_dim=D,
+        padded_heads=padded_heads(Hq // Hkv),
+    )
+    if smem > SMEM_LIMIT:
+        raise ValueError(
+            f"tuning={tuning} needs about {smem} bytes of shared memory "
+            f"(limit {SMEM_LIMIT}): fewer stages or warpgroups per block"
+        )
+    return _kivi_decode(
+        q,
+        (k_codes, k_scale, k_min, v_codes, v_scale, v_min),
+        num_tokens,
+        layer,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        sm_scale=float(sm_scale),
+        tuning=tuning,
+        interpret=interpret,
+    )

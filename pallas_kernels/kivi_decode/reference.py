@@ -1,0 +1,150 @@
+"""`kivi_decode_reference`: the kernel's twin in float32.
+
+The same function as `kivi_decode`, factored differently: the key scale folded into q per token
+group, the value scale into p per token and channel group, the minimums as biases; with
+fp8_values it models the kernel's e4m3 rounding against the kernel's own running max.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.kivi_decode.config import STEP_TOKENS, TuningConfig, choose_tuning
+from pallas_kernels.kivi_decode.decode import check_inputs
+from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
+from pallas_kernels.sm90.codes import f8_field_spec
+from pallas_kernels.sm90.layout import PLANE
+
+
+def _running_max(x, tuning: TuningConfig):
+    """x [..., Tq] -> the kernel's running max at every position: the max over the position's
+    split up to the end of its step (splits of ceil(steps / S) steps of 256 tokens)."""
+    Tq = x.shape[-1]
+    TS = STEP_TOKENS
+    per = -(-(Tq // TS) // tuning.num_splits)  # steps per split
+    step_max = x.reshape(*x.shape[:-1], Tq // TS, TS).max(axis=-1)
+    run = jnp.concatenate(
+        [
+            lax.cummax(step_max[..., a : a + per], axis=step_max.ndim - 1)
+            for a in range(0, Tq // TS, per)
+        ],
+        axis=-1,
+    )
+    return jnp.repeat(run, TS, axis=-1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "fp8_values", "tuning"),
+)
+def kivi_decode_reference(
+    q,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    num_tokens,
+    layer,
+    *,
+    key_bits: int,
+    value_bits: int,
+    group_size: int,
+    sm_scale: float,
+    tuning=None,
+    interpret=False,
+    fp8_values: bool = False,
+):
+    """The kernel's twin in float32, in folded form: key scale folded into q per token group,
+    value scale into p per token and channel group, minimums as biases. Same signature and
+    outputs as `kivi_decode` (tuning/interpret ignored). fp8_values (G = D): P * s_t rounded
+    to e4m3 through fp16 as the kernel does with `TuningConfig.fp8_values`, relative to the
+    kernel's running max of logit + ln s_t (per split, updated every sub-step; `tuning` gives
+    the splits and sub-steps, default `choose_tuning`'s), so the rounding is the kernel's up to
+    f32 arithmetic."""
+    del interpret
+    L, B, Hq, Hkv, D, Tq = check_inputs(
+        q,
+        k_codes,
+        k_scale,
+        k_min,
+        v_codes,
+        v_scale,
+        v_min,
+        num_tokens,
+        layer,
+        key_bits,
+        value_bits,
+        group_size,
+    )
+    G, nq = group_size, Hq // Hkv
+    f32 = jnp.float32
+    take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
+    sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+    kc = unpack_tokens(sel(k_codes), key_bits, axis=2)  # [B, Hkv, Tq, D]
+    if v_codes.ndim == 6:  # the cache's blocked form
+        v_codes = unblock_columns(v_codes)
+    vc = unpack_tokens(sel(v_codes), value_bits, axis=3)  # [B, Hkv, D, Tq]
+    ks, kz = take(k_scale), take(k_min)
+    vs, vz = to_cache_order(take(v_scale), -1), to_cache_order(take(v_min), -1)
+    qs = q.astype(f32).reshape(B, Hkv, nq, D) * sm_scale
+    # keys: q'_g = q * s_g (per token group g), bias_g = q . z_g
+    qg = qs[:, :, None] * ks[:, :, :, None, :]  # [B,H,Tq/G,nq,D]
+    kcg = kc.astype(f32).reshape(B, Hkv, Tq // G, G, D)
+    logits = jnp.einsum("bhgtd,bhgnd->bhngt", kcg, qg, precision="highest")
+    logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
+    logits = logits.reshape(B, Hkv, nq, Tq)
+    n = jnp.minimum(jnp.asarray(num_tokens, jnp.int32), Tq)
+    valid = jnp.arange(Tq)[None, :] < n[:, None]  # [B, Tq]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    mx = logits.max(axis=-1)
+    safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(logits - safe[..., None])  # [B,H,nq,Tq]
+    tot = p.sum(axis=-1)
+    # values: P'_c = p * s_v[t, c] per channel group c, bias = sum_t p * z_v[t, c]
+    pg = p[:, :, :, None, :] * vs[:, :, None]  # [B,H,nq,D/G,Tq]
+    if fp8_values:
+        if G != D:
+            raise ValueError(f"fp8_values needs group_size == head_dim, got G={G}, D={D}")
+        if tuning is None:
+            tuning = choose_tuning(
+                B,
+                Hkv,
+                Tq,
+                key_bits=key_bits,
+                value_bits=value_bits,
+                group_size=G,
+                head_dim=D,
+                q_heads=nq,
+            )
+        s1 = jnp.maximum(vs[:, :, 0], 2.0**-24)[:, :, None]  # [B,H,1,Tq]
+        lg = logits + jnp.log(s1)
+        ref = _running_max(lg, tuning)  # the kernel's reference point of every token
+        seen = jnp.isfinite(ref)  # positions before a split's first valid token: masked
+        ref = jnp.where(seen, ref, 0.0)
+        bt = jnp.exp(lg - ref)  # P * s_t <= 1 against the running max
+        mx = lg.max(axis=-1)
+        safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        rescale = jnp.where(seen, jnp.exp(ref - safe[..., None]), 0.0)  # the kernel's alphas
+        p = bt / s1 * rescale
+        tot = p.sum(axis=-1)
+        Pv = 8 // value_bits  # field weight of each plane, then of each token's plane
+        wgt = np.array([f8_field_spec(value_bits, j)[2] for j in range(Pv)], np.float32)[
+            (cache_slot(np.arange(Tq)) // PLANE) % Pv
+        ]
+        b8 = (bt * (256.0 / wgt)).astype(jnp.float16).astype(jnp.float8_e4m3fn)
+        pg = (b8.astype(f32) * (wgt / 256.0) * rescale)[:, :, :, None, :]
+    vcg = vc.astype(f32).reshape(B, Hkv, D // G, G, Tq)
+    o = jnp.einsum("bhncT,bhcgT->bhncg", pg, vcg, precision="highest")
+    o = o + jnp.einsum("bhnT,bhcT->bhnc", p, vz, precision="highest")[..., None]
+    o = o.reshape(B, Hkv, nq, D)
+    ok = tot > 0
+    o = jnp.where(ok[..., None], o / jnp.where(ok, tot, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)

@@ -1,0 +1,154 @@
+"""The in-kernel split merge: `merge_splits`.
+
+The log-sum-exp merge of one row's split partials, run by warpgroup 0 of the row's cluster
+over distributed shared memory once every warpgroup has its partial in SMEM, in place of an
+XLA merge after the launch. Natively inline Mosaic GPU (mapa + ld.shared::cluster,
+ex2/lg2.approx); under the interpreter (one block per row only) the same merge in jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.sm90.inline import const_i32
+from pallas_kernels.sm90.layout import PLANE
+
+MAX_CLUSTER = 8  # the portable cluster size limit (blocks): `merge_splits`' cluster of a row
+
+
+def merge_splits(o_all, lse_all, *, W: int, C: int, interpret):
+    """The log-sum-exp merge of one row's S = C * W splits inside the kernel
+    (`TuningConfig.merge_splits`): run by warpgroup 0 of the cluster's block 0 once every
+    warpgroup of the cluster has its partial in its own SMEM (o_all [W, D, NP] f32,
+    normalized; lse_all [W, NP] f32, natural log, -inf for an empty split; without the W axis
+    at W = 1). Writes the merged (o, lse) over
+    warpgroup 0's tiles (o_all[0], lse_all[0]); rows whose splits are all empty give o = 0,
+    lse = -inf, as `merge_partials`.
+
+    Natively every thread merges whole 16-byte chunks of the [D, NP] tile (chunk k = thread +
+    128 i: D NP / 512 of them, four columns of one row each), reading block c's tiles over
+    distributed shared memory (mapa + ld.shared::cluster; the local block's with plain loads),
+    with ex2/lg2.approx; one warpgroup barrier between the reads and the lse store (other
+    threads still read lse_all[0]). The interpreter has no distributed shared memory (C = 1
+    only there): jnp over the local tiles."""
+    tile = (lambda r, j: r.at[j]) if W > 1 else (lambda r, j: r)
+    if interpret:
+        if C != 1:
+            raise NotImplementedError("the interpreter merges one block's splits only (C = 1)")
+        D, NP = tile(o_all, 0).shape
+        ls = [tile(lse_all, j)[...] for j in range(W)]
+        mx = functools.reduce(jnp.maximum, ls)
+        safe = jnp.where(mx > -jnp.inf, mx, 0.0)
+        ws = [jnp.exp(x - safe) for x in ls]
+        tot = functools.reduce(jnp.add, ws)
+        ok = tot > 0
+        inv = jnp.where(ok, 1.0 / jnp.where(ok, tot, 1.0), 0.0)
+        for mt in range(D // PLANE):
+            rows = pl.ds(mt * PLANE, PLANE)
+            acc = functools.reduce(
+                jnp.add,
+                [
+                    tile(o_all, j)[rows, :] * lax.broadcast_in_dim(ws[j], (PLANE, NP), [1])
+                    for j in range(W)
+                ],
+            )
+            tile(o_all, 0)[rows, :] = acc * lax.broadcast_in_dim(inv, (PLANE, NP), [1])
+        tile(lse_all, 0)[...] = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+        return
+
+    D, NP = o_all.shape[-2:]
+    chunks = D * NP // 512
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def merge(_, o_ref, l_ref):
+        i8, i32, f32 = (
+            ir.IntegerType.get_signless(8),
+            ir.IntegerType.get_signless(32),
+            ir.F32Type.get(),
+        )
+        v4 = ir.VectorType.get((4,), f32)
+        tid = arith.andi(mgpu_utils.thread_idx(), const_i32(127))  # (warpgroup 0: 0-127 already)
+        o_base, l_base = mgpu_utils.memref_ptr(o_ref), mgpu_utils.memref_ptr(l_ref)
+        as_i32 = lambda p: llvm.ptrtoint(i32, p)
+        struct = llvm.StructType.get_literal([f32] * 4)
+        cst = lambda v: arith.constant(f32, v)
+        asm1 = lambda op, x: llvm.inline_asm(
+            f32, [x], f"{op} $0, $1;", "=f,f", has_side_effects=False
+        )
+
+        def load(base, off, c):
+            """The 16 bytes at byte offset off of the tile `base` in block c of the cluster."""
+            at = mgpu_utils.getelementptr(base, [off], i8)
+            if c == 0:  # this block (the merging warpgroup's)
+                return [
+                    vector.extract(
+                        llvm.load(v4, at, alignment=16), dynamic_position=[], static_position=[k]
+                    )
+                    for k in range(4)
+                ]
+            remote = llvm.inline_asm(
+                i32,
+                [as_i32(at), const_i32(c)],
+                "mapa.shared::cluster.u32 $0, $1, $2;",
+                "=r,r,r",
+                has_side_effects=False,
+            )
+            out = llvm.inline_asm(
+                struct,
+                [remote],
+                "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,r",
+                has_side_effects=True,
+            )
+            return [llvm.extractvalue(f32, out, [k]) for k in range(4)]
+
+        splits = [(c, w) for c in range(C) for w in range(W)]
+        log2e, ln2 = float(np.log2(np.e)), float(np.log(2.0))
+        merged, lses = [], []
+        for i in range(chunks):
+            k = arith.addi(tid, const_i32(128 * i))
+            off = arith.muli(k, const_i32(16))  # bytes into a [D, NP] tile
+            col = arith.muli(
+                arith.remui(arith.muli(k, const_i32(4)), const_i32(NP)), const_i32(4)
+            )  # bytes
+            if i == 0 or 512 % NP:  # (chunks 128 apart share their columns where NP | 512)
+                ls = [load(l_base, arith.addi(col, const_i32(w * NP * 4)), c) for c, w in splits]
+            os_ = [load(o_base, arith.addi(off, const_i32(w * D * NP * 4)), c) for c, w in splits]
+            out_o, out_l = [], []
+            for e in range(4):
+                mx = functools.reduce(arith.maximumf, [x[e] for x in ls])
+                safe = arith.select(
+                    arith.cmpf(arith.CmpFPredicate.OGT, mx, cst(-np.inf)), mx, cst(0.0)
+                )
+                ws = [
+                    asm1("ex2.approx.ftz.f32", arith.mulf(arith.subf(x[e], safe), cst(log2e)))
+                    for x in ls
+                ]
+                tot = functools.reduce(arith.addf, ws)
+                acc = functools.reduce(
+                    arith.addf, [arith.mulf(w, o[e]) for w, o in zip(ws, os_, strict=True)]
+                )
+                ok = arith.cmpf(arith.CmpFPredicate.OGT, tot, cst(0.0))
+                out_o.append(arith.select(ok, arith.divf(acc, tot), cst(0.0)))
+                lg = arith.addf(safe, arith.mulf(asm1("lg2.approx.ftz.f32", tot), cst(ln2)))
+                out_l.append(arith.select(ok, lg, cst(-np.inf)))
+            merged.append((off, vector.from_elements(v4, out_o)))
+            lses.append((col, vector.from_elements(v4, out_l), k))
+        mgpu_utils.warpgroup_barrier()  # every thread's reads of lse_all[0] before its store
+        for off, v in merged:
+            llvm.store(v, mgpu_utils.getelementptr(o_base, [off], i8), alignment=16)
+        for col, v, k in lses:  # the chunks of row 0 hold every column once
+            first = arith.cmpi(arith.CmpIPredicate.ult, k, const_i32(NP // 4))
+            with mgpu_utils.when(first):
+                llvm.store(v, mgpu_utils.getelementptr(l_base, [col], i8), alignment=16)
+
+    merge(o_all, lse_all)

@@ -1,0 +1,237 @@
+"""bench/: the CPU-runnable parts of the tools (the GPU timings themselves run on the device)."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kivi_jax
+from bench import aot_ptx, common, kernel_grid, quant_error
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def test_readme_lists_exactly_the_files_in_bench():
+    rows = re.findall(r"^\| `([^`]+)` \|", (BENCH / "README.md").read_text(), re.M)
+    files = {p.name for p in BENCH.iterdir() if p.name not in ("README.md", "__pycache__")}
+    assert len(rows) == len(set(rows)), "a file has two rows"
+    assert set(rows) == files
+
+
+def test_every_tool_has_a_docstring_saying_how_to_run_it():
+    for path in BENCH.glob("*.py"):
+        text = path.read_text()
+        assert text.startswith('"""'), path.name
+        if path.name not in ("__init__.py", "common.py"):
+            doc = text[3 : text.index('"""', 3)]
+            assert f"bench.{path.stem}" in doc or f"bench/{path.name}" in doc, path.name
+    assert not re.search(
+        r"\bruns? \d+", "".join(p.read_text() for p in BENCH.iterdir() if p.is_file())
+    )
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_random_cache_holds_tokens_in_its_quantized_part(bits):
+    cache = common.random_kivi_cache(
+        jax.random.key(0),
+        layers=2,
+        batch=2,
+        kv_heads=2,
+        head_dim=64,
+        tokens=512,
+        key_bits=bits,
+        value_bits=bits,
+        group_size=32,
+        residual=128,
+    )
+    assert isinstance(cache, kivi_jax.KiviCache)
+    np.testing.assert_array_equal(cache.lengths, [640, 640])
+    np.testing.assert_array_equal(cache.quantized_split(), [512, 512])
+    assert cache.keys.capacity >= 512 and cache.num_layers == 2
+    assert not jnp.array_equal(cache.keys.codes[0], cache.keys.codes[1])  # distinct layers
+    assert bool(jnp.all(cache.keys.scale > 0)) and bool(jnp.all(cache.values.minimum <= 0))
+    # a consistent cache: the kernel's folded algebra agrees with dequantize-then-attend
+    q = common.random_query(jax.random.key(1), 2, 8, 64, jnp.float32)
+    ref = kivi_jax.decode_attention(q, cache, 1, implementation="reference")
+    folded = kivi_jax.decode_attention(q, cache, 1, implementation="folded")
+    np.testing.assert_allclose(folded, ref, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_random_cache_ragged_rows_and_token_counts():
+    cache = common.random_kivi_cache(
+        jax.random.key(0),
+        layers=1,
+        batch=3,
+        kv_heads=2,
+        head_dim=64,
+        tokens=256,
+        key_bits=2,
+        value_bits=2,
+        group_size=32,
+        lengths=[384, 205, 0],
+    )
+    np.testing.assert_array_equal(cache.quantized_split(), [256, 77, 0])
+    with pytest.raises(ValueError, match="quantizes 96 tokens, not 100"):
+        common.random_kivi_cache(
+            jax.random.key(0),
+            layers=1,
+            batch=1,
+            kv_heads=2,
+            head_dim=64,
+            tokens=100,
+            key_bits=2,
+            value_bits=2,
+            group_size=32,
+            residual=0,
+        )
+
+
+def test_chains_feed_each_output_into_the_next_query():
+    cache = common.random_kivi_cache(
+        jax.random.key(0),
+        layers=2,
+        batch=2,
+        kv_heads=2,
+        head_dim=64,
+        tokens=256,
+        key_bits=2,
+        value_bits=2,
+        group_size=32,
+    )
+    q0 = common.random_query(jax.random.key(1), 2, 4, 64, jnp.float32)
+    q = q0
+    for i in range(3):
+        q = q + common.CHAIN_STEP * kivi_jax.decode_attention(
+            q, cache, i % 2, implementation="reference"
+        )
+    got = common.kivi_chain(3, 2, "reference")(q0, cache)
+    np.testing.assert_allclose(got, q, rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(got - q0).max()) > 0
+
+    kvs = common.random_dense_kv(
+        jax.random.key(2), layers=2, batch=2, kv_heads=2, head_dim=64, length=40, dtype=jnp.float32
+    )
+    lengths = jnp.array([40, 9], jnp.int32)
+    qd = q0[:, None]
+    want = qd
+    for i in range(3):
+        k, v = kvs[i % 2]
+        # row 1 attends its first 9 positions only: the later ones must not matter
+        o = jax.nn.dot_product_attention(want[1:], k[1:, :9], v[1:, :9])
+        o = jnp.concatenate([jax.nn.dot_product_attention(want[:1], k[:1], v[:1]), o])
+        want = want + common.CHAIN_STEP * o
+    got = common.dense_chain(3, "xla")(qd, kvs, lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bytes_and_layers():
+    # 2-bit keys and values, G = 128: codes T*D/2, fp16 scale+min per (G tokens, channel) of
+    # keys and per (token, G channels) of values, R fp16 tokens of each
+    assert common.kivi_bytes(1, 1, 128, 1024, 128, 2, 2, 128) == (
+        1024 * 128 // 2 + 2 * 2 * (8 * 128 + 1024) + 2 * 128 * 128 * 2
+    )
+    assert common.dense_bytes(2, 8, 128, 1000) == 2 * 2 * 1000 * 8 * 128 * 2
+    assert common.layers_for(10 * common.L2_BYTES, 50) == 1
+    assert common.layers_for(common.L2_BYTES // 2, 50) == 8
+    assert common.layers_for(1000, 50) == 50
+
+
+def test_parsing_and_overrides():
+    assert common.parse_kbg("2:128,4:2:32") == [(2, 2, 128), (4, 2, 32)]
+    with pytest.raises(ValueError):
+        common.parse_kbg("2")
+
+    @dataclasses.dataclass(frozen=True)
+    class Tuning:
+        num_splits: int = 8
+        fp8_values: bool = False
+        mma: str = "both"
+
+    t = common.override(Tuning(), "num_splits=12,fp8_values=1,mma=keys")
+    assert t == Tuning(12, True, "keys")
+    assert common.override(t, "fp8_values=0").fp8_values is False
+    assert common.override(t, "") == t
+    with pytest.raises(TypeError):
+        common.override(t, "skip=copies")
+
+
+def test_kernel_grid_dry_run_writes_rows_and_env(tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    assert kernel_grid.main(["--dry-run", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert (row["kernel"], row["baseline"], row["B"], row["T"]) == ("reference", "xla", 2, 256)
+    assert row["kernel_ms"] > 0 and row["baseline_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["kernel_ms"])
+    assert len(row["kernel_round_ms"]) == row["rounds"] == 2
+    assert row["kernel_bytes"] == common.kivi_bytes(2, 8, 128, 256, 128, 2, 2, 32)
+    env = res["env"]
+    assert env["command"].endswith("bench.kernel_grid --dry-run --json " + str(out))
+    assert env["jax"] == jax.__version__ and env["date"]
+    assert "| 2 | 256 | 2/2 | 32 |" in capsys.readouterr().out
+
+
+def test_kernel_grid_check_compares_against_the_reference():
+    rows, ok = kernel_grid.check(
+        [(2, 2, 32), (4, 4, 128)], hq=16, implementation="folded", tokens=512
+    )
+    assert ok, rows
+    assert [(r["key_bits"], r["dtype"]) for r in rows] == [
+        (2, "float16"),
+        (2, "bfloat16"),
+        (4, "float16"),
+        (4, "bfloat16"),
+    ]
+    assert all(0 <= r["rel_err"] <= r["tolerance"] and r["deterministic"] for r in rows)
+
+
+def test_quant_error_kivi_column_on_a_tiny_case():
+    rows = quant_error.error_rows([2, 4], [512])
+    assert [(r["bits"], r["q_std"]) for r in rows] == [(2, 1.0), (2, 4.0), (4, 1.0), (4, 4.0)]
+    err = {(r["bits"], r["q_std"]): r["kivi_vs_dense"] for r in rows}
+    for std in quant_error.Q_STDS:
+        assert 0 < err[4, std] < err[2, std] < 1  # 4 bits are closer to the float attention
+    assert "twin_o" not in rows[0]  # the kernel's columns only with --kernel / --interpret
+    assert quant_error.table_line(rows[0]).startswith("| 2 | 512 | 1 | ")
+
+
+def test_aot_ptx_shapes_are_the_caches_and_names_the_flags():
+    two = aot_ptx.cache_shapes(2, 2, 32, 128)
+    four = aot_ptx.cache_shapes(4, 4, 128, 128)
+    t = aot_ptx.TOKENS
+    assert two.keys.codes.shape == (1, aot_ptx.BATCH, 8, t // 4, 128)
+    assert two.values.codes.shape == (1, aot_ptx.BATCH, 8, t // 4 // 64, 128, 64)  # blocked
+    assert four.values.codes.shape == (1, aot_ptx.BATCH, 8, 128, t // 2)
+    assert four.values.scale.shape == (1, aot_ptx.BATCH, 8, 1, t)
+    assert aot_ptx.ptx_name(2, 2, 32, "") == "2_2_32_default.ptx"
+    assert (
+        aot_ptx.ptx_name(4, 2, 128, "num_splits=12,stages=3") == "4_2_128_num_splits12_stages3.ptx"
+    )
+
+
+def test_generate_tiny_runs_and_writes_its_json(tmp_path):
+    from bench import generate
+
+    res = generate.main(
+        [
+            "--tiny",
+            "--points",
+            "2x40",
+            "--caches",
+            "fp16,kivi2",
+            "--steps",
+            "3",
+            "--no-max-batch",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert [r["cache"] for r in res["points"]] == ["fp16", "kivi2"]
+    assert all(r["tokens_per_s"] > 0 for r in res["points"]), res["points"]
+    saved = json.loads((tmp_path / "generate_bench.json").read_text())
+    assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
