@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-SUPPORTED_BITS = (2, 4)  # code widths the layout packs
+SUPPORTED_BITS = (2, 4, 8)  # code widths the layout packs (the kernels take 2 and 4)
 CACHE_PLANE = 64  # tokens per plane in the KV cache (= wgmma M tile)
 CACHE_BLOCK = 256  # tokens per block of the cache order (four planes)
 CODE_BLOCK = 64  # byte columns per stored block of the value codes (`block_columns`)
