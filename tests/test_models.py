@@ -382,31 +382,3 @@ def test_second_prompt_in_bucket_compiles_nothing(tiny_params):
     assert again.compile_seconds == 0.0
     G.generate(tiny_params, cfg, [[1] * 20], cache="kivi4", max_new_tokens=9)  # bucket 32
     assert G.compiled_programs() > n_programs
-
-
-def test_bench_generate_smoke(tmp_path):
-    """bench/generate.py runs end to end on a tiny model and writes its JSON."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "bench" / "generate.py"
-    spec = importlib.util.spec_from_file_location("bench_generate", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    res = mod.main(
-        [
-            "--tiny",
-            "--points",
-            "2x40",
-            "--caches",
-            "fp16,kivi2",
-            "--steps",
-            "3",
-            "--no-max-batch",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    assert [r["cache"] for r in res["points"]] == ["fp16", "kivi2"]
-    assert all(r["tokens_per_s"] > 0 for r in res["points"]), res["points"]
-    assert (tmp_path / "generate_bench.json").is_file()

@@ -145,10 +145,10 @@ class _Unit:
         # This warpgroup's own SMEM (W > 1: every scratch buffer has a leading wg axis).
         self.own = (lambda k: sc[k].at[wg]) if P.W > 1 else sc.__getitem__
         own = self.own
-        (self.q_s, self.p_s, self.o_s, self.lse_s, self.kd_s, self.vd_s, self.bar) = (
-            own(k) for k in ("q_s", "p_s", "o_s", "lse_s", "kd_s", "vd_s", "bar")
+        (self.q_s, self.p_s, self.o_s, self.lse_s, self.bar) = (
+            own(k) for k in ("q_s", "p_s", "o_s", "lse_s", "bar")
         )
-        self.vd8_s = own("vd8_s") if P.f8v else None
+        self.vd8_s = own("vd8_s") if P.f8v and P.interpret else None
         self.red_s = None if P.interpret else own("red_s")  # cross-warp reduction scratch
         self.layer = layer_g[0]
         TS = STEP_TOKENS
@@ -885,7 +885,6 @@ class _Unit:
                 empty=sc["empty_bar"] if P.release else None,
                 issuer=self.copy_warp,
                 spread=P.tuning.spread_copies,
-                no_copies=False,
                 sync_every=P.lazy_max,
             )
         return plgpu.emit_pipeline(
@@ -1014,21 +1013,11 @@ def scratch_buffers(plan: Plan) -> dict:
         ),
         "o_s": plgpu.SMEM(per_wg(D, NP), f32),
         "lse_s": plgpu.SMEM(per_wg(NP), f32),
-        "kd_s": plgpu.SMEM(
-            per_wg(PLANE, D) if P.interpret else per_wg(8, 64),
-            f16,
-            transforms=swizzle_transforms(f16, D if P.interpret else 64),
-        ),
-        "vd_s": plgpu.SMEM(
-            per_wg(PLANE, PLANE) if P.interpret else per_wg(8, 64),
-            f16,
-            transforms=swizzle_transforms(f16, 64),
-        ),
         "bar": plgpu.Barrier(num_barriers=W) if W > 1 else plgpu.Barrier(),
     }
-    if P.f8v:  # the interpreter's SMEM-staged e4m3 A operand (a placeholder natively)
+    if P.f8v and P.interpret:  # the interpreter's wgmma takes its A operand from SMEM
         scratch["vd8_s"] = plgpu.SMEM(
-            per_wg(PLANE, PLANE) if P.interpret else per_wg(8, 64),
+            per_wg(PLANE, PLANE),
             jnp.float8_e4m3fn,
             transforms=swizzle_transforms(jnp.float8_e4m3fn, 64),
         )

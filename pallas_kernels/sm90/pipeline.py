@@ -34,7 +34,6 @@ def pipeline(
     empty=None,
     issuer=None,
     spread: bool = False,
-    no_copies: bool = False,
     sync_every: bool = False,
 ):
     """`plgpu.emit_pipeline` for one warpgroup (of a block of one or several, each with its
@@ -43,16 +42,16 @@ def pipeline(
     *slot_refs, carry)` as for emit_pipeline. A slot is refilled right after its step, ordered
     after every warp's reads by a warpgroup barrier: each copy's own (Mosaic's auto barriers),
     or, with `sync` (a kernel compiled without auto barriers), one before all of the step's
-    copies (the six barriers and the code between them were 9% of the stalls).
+    copies (one barrier instead of six, and none of the code between them).
     one_warp: the copies are issued by one warp of the warpgroup (warp `issuer`, by default
     wg % 4, so that the block's W issuing warps sit on different schedulers) instead of by all
     four: in the warpgroup semantics every warp computes the copies' coordinates and every
-    thread arrives on the barrier (`TuningConfig.copy_warp`). empty (with one_warp and sync):
+    thread arrives on the barrier (the kernel's native launches). empty (with one_warp and sync):
     barriers [wg * stages + slot] of one warpgroup arrival each: every thread arrives once it
     has read the slot, and only the issuing warp waits there before refilling it, in place of
     the warpgroup barrier (`TuningConfig.release_slots`). spread (with one_warp): copy j
     from warp (issuer + j) % 4, so that no warp computes more than two copies' coordinates
-    (`TuningConfig.spread_copies`). no_copies: benchmark ablation (`skip="copies"`).
+    (`TuningConfig.spread_copies`).
     sync_every (with sync): the warpgroup barrier after every step, also the last `stages`
     that refill nothing: the step's own hand-overs count on it (`TuningConfig.lazy_max`)."""
 
@@ -97,9 +96,6 @@ def pipeline(
 
     def body(i, carry):
         slot = lax.rem(i, stages)
-        if no_copies:  # the prologue's copies, then none: compute on the filled slots
-            pl.when(i < stages)(lambda: plgpu.barrier_wait(barrier.at[wg * stages + slot]))
-            return step((i,), *[buf.at[slot] for buf in bufs], carry)
         plgpu.barrier_wait(barrier.at[wg * stages + slot])
         carry = step((i,), *[buf.at[slot] for buf in bufs], carry)
         if release:
