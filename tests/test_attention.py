@@ -116,18 +116,20 @@ def test_a_window_longer_than_the_sequence_is_full_precision():
 
 
 def test_dense_auto_reads_the_cache_dtype():
-    """"auto" on a dense cache attends in the cache dtype with float32 accumulation: exact for
+    """ "auto" on a dense cache attends in the cache dtype with float32 accumulation: exact for
     a float32 cache, within bf16 rounding of the float32 reference for a bf16 one, and
     ragged rows (one empty) masked like the reference."""
     q, k, v = _inputs(9, 3, 2, 8, 96)
     lengths = jnp.array([96, 41, 0], jnp.int32)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-        c = kj.make_cache("fp16", num_layers=L, batch=3, kv_heads=2, head_dim=D, max_len=128,
-                          dtype=dtype).prefill(k.astype(dtype), v.astype(dtype), lengths)
+        c = kj.make_cache(
+            "fp16", num_layers=L, batch=3, kv_heads=2, head_dim=D, max_len=128, dtype=dtype
+        ).prefill(k.astype(dtype), v.astype(dtype), lengths)
         ref = attend(q, c, 1, implementation="reference")
         auto = attend(q, c, 1, implementation="auto")
-        np.testing.assert_allclose(np.asarray(auto, np.float32), np.asarray(ref, np.float32),
-                                   atol=tol)
+        np.testing.assert_allclose(
+            np.asarray(auto, np.float32), np.asarray(ref, np.float32), atol=tol
+        )
         assert float(jnp.abs(auto[2]).max()) == 0.0  # the empty row
     assert float(jnp.abs(auto - ref).max()) > 0  # bf16: a different computation, not a copy
 
@@ -206,8 +208,9 @@ def test_merge_partials_equals_attention_over_the_union():
     np.testing.assert_allclose(o, whole, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [kj.KiviConfig(2, 2, 64, 128), kj.KiviConfig(4, 2, 32, 0)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "config", [kj.KiviConfig(2, 2, 64, 128), kj.KiviConfig(4, 2, 32, 0)], ids=str
+)
 def test_pallas_kernel_through_decode_attention_matches_reference(config):
     """The dispatch glue (split point, tail, log-sum-exp merge) around the fused kernel: under
     the GPU interpreter on CPU, natively on a Hopper GPU (then also through "auto")."""
@@ -218,24 +221,32 @@ def test_pallas_kernel_through_decode_attention_matches_reference(config):
         pytest.skip("needs a Hopper GPU or the CPU interpreter")
     q, k, v = _inputs(6, 2, 2, 8, 600 if on_gpu else 300)
     q = q.astype(jnp.bfloat16)
-    cache = kj.KiviCache.init(config, num_layers=L, batch=2, kv_heads=2, head_dim=D,
-                              max_len=k.shape[3], dtype=jnp.bfloat16)
+    cache = kj.KiviCache.init(
+        config,
+        num_layers=L,
+        batch=2,
+        kv_heads=2,
+        head_dim=D,
+        max_len=k.shape[3],
+        dtype=jnp.bfloat16,
+    )
     cache = cache.prefill(k, v, jnp.array([k.shape[3], 200], jnp.int32))
     ref = np.asarray(attend(q, cache, 1, implementation="reference"), np.float32)
     impls = ("pallas", "auto") if on_gpu else ("pallas",)
     for impl in impls:
         got = attend(q, cache, 1, implementation=impl, interpret=not on_gpu)
         # bf16 output; the kernel's fp16 tensor-core math agrees to ~1e-3 of max |o|.
-        np.testing.assert_allclose(np.asarray(got, np.float32), ref,
-                                   atol=1e-2 * np.abs(ref).max(), err_msg=impl)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), ref, atol=1e-2 * np.abs(ref).max(), err_msg=impl
+        )
 
 
 def test_decode_attention_passes_the_kernel_tuning():
-    """`tuning` reaches the Pallas kernel: an unsupported one raises there, a given launch
+    """`tuning` reaches the Pallas kernel: one that does not fit raises there, a given launch
     agrees with the reference, and the opt-in fp8 value product (G = D) within its documented
     precision."""
     from kivi_jax.attention import pallas_available
-    from pallas_kernels.kivi_decode_sm90 import TuningConfig
+    from pallas_kernels.kivi_decode import TuningConfig
 
     on_gpu = pallas_available()
     if not on_gpu and jax.default_backend() != "cpu":
@@ -245,31 +256,47 @@ def test_decode_attention_passes_the_kernel_tuning():
     k = jax.random.normal(ks[0], (1, 2, 2, s, d)).at[..., 7].multiply(8.0)
     v = jax.random.normal(ks[1], (1, 2, 2, s, d))
     q = jax.random.normal(ks[2], (2, 8, d)).astype(jnp.bfloat16)
-    cache = kj.KiviCache.init(kj.KiviConfig(2, 2, 128, 128), num_layers=1, batch=2, kv_heads=2,
-                              head_dim=d, max_len=s, dtype=jnp.bfloat16)
+    cache = kj.KiviCache.init(
+        kj.KiviConfig(2, 2, 128, 128),
+        num_layers=1,
+        batch=2,
+        kv_heads=2,
+        head_dim=d,
+        max_len=s,
+        dtype=jnp.bfloat16,
+    )
     cache = cache.prefill(k, v, jnp.array([s, 300], jnp.int32))
-    run = lambda tun: kj.decode_attention(q, cache, 0, implementation="pallas",
-                                          interpret=not on_gpu, tuning=tun)
-    with pytest.raises(ValueError, match="block_tokens"):
-        run(TuningConfig(block_tokens=384))
+    run = lambda tun: kj.decode_attention(
+        q, cache, 0, implementation="pallas", interpret=not on_gpu, tuning=tun
+    )
+    with pytest.raises(ValueError, match="shared memory"):  # four pipelines of eight stages
+        run(TuningConfig(num_splits=1, stages=8, wg_per_block=4))
     ref = np.asarray(kj.decode_attention(q, cache, 0, implementation="reference"), np.float32)
-    got = np.asarray(run(TuningConfig(256, 2, 2, fold_k=True)), np.float32)
+    got = np.asarray(run(TuningConfig(num_splits=2, stages=2)), np.float32)
     # ~5e-3 of max |o| (bf16 output, fp16 operands), the x8 outlier channel in q * s_g
     np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max())
     # fp8_values: P * s_t in e4m3 (4 significant bits, 2^-4 relative per weight), so the error
     # scales with the values, not with o (zero-mean random values average to a small o): here
     # 4e-3 of max |v| (5e-2 of max |o|); a wrong field weight or scale is off by O(max |v|).
-    got8 = np.asarray(run(TuningConfig(256, 1, 2, fp8_values=True)), np.float32)
+    got8 = np.asarray(run(TuningConfig(num_splits=1, stages=2, fp8_values=True)), np.float32)
     np.testing.assert_allclose(got8, ref, atol=1.5e-2 * float(jnp.abs(v).max()))
     # "pallas-lowp": the fp8 value product (on wgmma) on the given tuning, keys exact
-    lowp = kj.decode_attention(q, cache, 0, implementation="pallas-lowp", interpret=not on_gpu,
-                               tuning=TuningConfig(256, 1, 2))
-    lowp_tuning = TuningConfig(256, 1, 2, fp8_values=True, mma_sync="keys")
-    np.testing.assert_array_equal(np.asarray(lowp, np.float32),
-                                  np.asarray(run(lowp_tuning), np.float32))
-    np.testing.assert_allclose(np.asarray(lowp, np.float32), ref,
-                               atol=1.5e-2 * float(jnp.abs(v).max()))
-    exact = np.asarray(run(TuningConfig(256, 1, 2)), np.float32)
+    lowp = kj.decode_attention(
+        q,
+        cache,
+        0,
+        implementation="pallas-lowp",
+        interpret=not on_gpu,
+        tuning=TuningConfig(num_splits=1, stages=2),
+    )
+    lowp_tuning = TuningConfig(num_splits=1, stages=2, fp8_values=True)
+    np.testing.assert_array_equal(
+        np.asarray(lowp, np.float32), np.asarray(run(lowp_tuning), np.float32)
+    )
+    np.testing.assert_allclose(
+        np.asarray(lowp, np.float32), ref, atol=1.5e-2 * float(jnp.abs(v).max())
+    )
+    exact = np.asarray(run(TuningConfig(num_splits=1, stages=2)), np.float32)
     assert (np.asarray(lowp, np.float32) != exact).any(), "-lowp did not change the products"
     with pytest.raises(ValueError, match="implementation"):
         kj.decode_attention(q, cache, 0, implementation="lowp")

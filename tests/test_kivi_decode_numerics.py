@@ -1,0 +1,454 @@
+"""pallas_kernels.kivi_decode on the CPU: the numbers.
+
+The kernel under the Mosaic GPU interpreter (the jnp path of the same function, race detection
+on) against its float32 twin on small random caches (bits 2/4 and mixed, G 32/64/128, GQA
+ratios, ragged lengths incl. 0 and partial blocks, D 64/128, a nonzero layer) over the
+TuningConfig's features; the twin against a plain dequantize-then-softmax attention and the fp8
+twin's running max; the code fields and byte orders of the native path; choose_tuning's
+choices; argument and TuningConfig errors.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_decode_cases import (
+    CASE,
+    CASES,
+    FLAG_CASES,
+    MERGE_CASES,
+    TC,
+    Case,
+    anchor,
+    case_cache,
+    case_plan,
+    compare,
+    ids,
+    interpreter,
+    make_cache,
+    make_q,
+    plain_attention,
+    plan,
+    run_case,
+)
+
+from pallas_kernels.kivi_decode import (
+    SMEM_LIMIT,
+    TuningConfig,
+    choose_tuning,
+    kivi_decode,
+    kivi_decode_reference,
+)
+from pallas_kernels.kivi_decode.config import STEP_TOKENS, merge_cluster, smem_bytes
+from pallas_kernels.kivi_decode.reference import _running_max
+from pallas_kernels.sm90 import codes, layout
+
+# ---- the interpreter against the twin ------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_interpret_matches_reference(case):
+    run_case(case, seed=case.shape_seed, interpret=interpreter())
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=ids(FLAG_CASES))
+def test_interpret_tuning_flags_match_reference(case):
+    run_case(case, seed=11, interpret=interpreter())
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=ids(MERGE_CASES))
+def test_interpret_merge_splits_matches_reference(case):
+    """merge_splits under the interpreter: one block's splits (S = W, C = 1) merged in the
+    kernel, rows of no tokens included."""
+    assert merge_cluster(case.tuning, interpreter()) == 1
+    assert case_plan(case, interpret=True).cluster == 1
+    run_case(case, seed=5, interpret=interpreter())
+
+
+def test_interpret_lazy_max_matches_reference():
+    """lazy_max is native only (its vote is inline PTX): the interpreter takes the exact
+    exchange, and a launch that names it matches the twin."""
+    small = TC(
+        num_splits=2,
+        stages=2,
+        wg_per_block=3,
+        warp_softmax=False,
+        pack_planes=True,
+        pack_zeros=True,
+        lazy_max=True,
+    )
+    case = Case("lazy", 2, 8, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 0), 2, small)
+    assert not case_plan(case, interpret=True).lazy_max
+    run_case(case, seed=13, interpret=interpreter())
+
+
+def test_interpret_true_means_gpu_interpreter():
+    """attention.py passes interpret=True (a bool): the same interpreter path."""
+    run_case(CASES[0], seed=3, interpret=True)
+
+
+UNBLOCKED = [CASES[1], CASES[3], CASES[6]]
+
+
+@pytest.mark.parametrize("case", UNBLOCKED, ids=ids(UNBLOCKED))
+def test_unblocked_value_codes_give_the_same_bits(case):
+    """The kernel takes the value codes as the cache's blocks [.., Tq/(64 Pv), D, 64] or as
+    unblocked rows [.., D, Tq/Pv]: the same SMEM image, so the same outputs bit for bit."""
+    q, nt = make_q(2, case.B, case.Hq, case.D, case.dtype), jnp.asarray(case.lengths, jnp.int32)
+    outs = [
+        kivi_decode(
+            q,
+            *case_cache(case, 9, blocked=blk),
+            nt,
+            jnp.int32(case.layer),
+            **case.kw,
+            tuning=case.tuning,
+            interpret=interpreter(False),
+        )
+        for blk in (True, False)
+    ]
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- the twin ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=ids(CASES[:6]))
+def test_reference_matches_plain_attention(case):
+    """The folded twin against an independent float64 dequantize-then-softmax."""
+    cache = case_cache(case, 7)
+    q = make_q(8, case.B, case.Hq, case.D, case.dtype)
+    nt = jnp.asarray(case.lengths, jnp.int32)
+    ro, rlse = kivi_decode_reference(q, *cache, nt, jnp.int32(case.layer), **case.kw)
+    po, plse = plain_attention(q, cache, case.lengths, case.layer, **case.kw)
+    compare(ro, rlse, po, plse, 1e-5)
+
+
+def test_fp8_twin_running_max_is_the_kernels():
+    """The twin's reference points: per split, the running max up to the end of each step;
+    with one split of one step it is the plain max. Both forms give the same attention up to
+    e4m3 rounding, so the twin with fp8_values stays within TOL_F8 of the exact twin."""
+    step_max = np.array([3.0, 5.0, 2.0, 7.0, 1.0, 0.0])  # six 256-token steps, splits of three
+    x = np.repeat(step_max, 256) - np.tile(np.arange(256.0), 6)  # step max at its first token
+    run = _running_max(jnp.asarray(x[None]), TC(num_splits=2))
+    np.testing.assert_array_equal(
+        np.asarray(run)[0], np.repeat([3.0, 5.0, 5.0, 7.0, 7.0, 7.0], 256)
+    )
+    case = Case(
+        "f8", 2, 4, 2, 128, 1024, 2, 2, 128, jnp.float16, (1000, 77), 1, TC(num_splits=2, stages=2)
+    )
+    cache = case_cache(case, 5)
+    q = make_q(6, case.B, case.Hq, case.D, case.dtype)
+    nt = jnp.asarray(case.lengths, jnp.int32)
+    exact = kivi_decode_reference(q, *cache, nt, jnp.int32(case.layer), **case.kw)
+    f8 = kivi_decode_reference(
+        q, *cache, nt, jnp.int32(case.layer), **case.kw, fp8_values=True, tuning=case.tuning
+    )
+    compare(*f8, *exact, 5e-2)
+    assert np.abs(np.asarray(f8[0]) - np.asarray(exact[0])).max() > 0  # it does round
+
+
+# ---- code fields and byte orders -----------------------------------------------------------
+
+
+def test_widen8_contraction_order():
+    """PERM16 is where the 8-bit WGMMA fragment (lane k = lane % 4 holds bytes 4k..4k+3 of each
+    16-column block) lands in the 16-bit fragment (columns 2k, 2k+1 of 8-column tile 2b and
+    of tile 2b+1) when bytes (0, 1) and (2, 3) of each register become one fp16 pair each;
+    store_p_perm writes token q of a 16-block at position 8 (q // 2 % 2) + 2 (q // 4) + q % 2;
+    permute_contraction applies the order blockwise."""
+    perm = layout.PERM16
+    assert sorted(perm) == list(range(16))
+    for k in range(4):
+        for e in range(2):
+            assert perm[2 * k + e] == 4 * k + e
+            assert perm[8 + 2 * k + e] == 4 * k + 2 + e
+    for q in range(16):
+        assert 8 * (q // 2 % 2) + 2 * (q // 4) + q % 2 == perm.index(q)
+    x = jnp.arange(48)
+    np.testing.assert_array_equal(
+        layout.permute_contraction(x), np.concatenate([np.asarray(perm) + 16 * b for b in range(3)])
+    )
+
+
+def test_stored_byte_order_gives_the_natural_pairs():
+    """A 32-bit word of a stored code row holds the row's bytes (x0, x2, x1, x3) (the cache
+    swaps the middle two, `kivi_jax.quant.swap_bytes`): as 16-bit lanes the word itself and the
+    word shifted right by 8 are the pairs (x0, x1), (x2, x3) under the low-byte field masks
+    (`widen8` without exponent bits), prmt selectors 0x4240 / 0x4341 pick the same pairs (with
+    exponent bits), 0x3120 restores (x0, x1, x2, x3) (`code_field8`), and the per-warp loads of
+    `warp_value_codes` find columns 2c, 2c + 1 at bytes 2c - c % 2 and + 2."""
+    from kivi_jax.quant import swap_bytes
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (64, 8), dtype=np.uint8)
+    stored = np.asarray(swap_bytes(x, -1))
+    word = lambda r, k: int.from_bytes(bytes(stored[r, 4 * k : 4 * k + 4]), "little")
+    byte = lambda w, i: (w >> (8 * i)) & 0xFF
+    prmt = lambda w, sel: sum(byte(w, (sel >> (4 * i)) & 0xF) << (8 * i) for i in range(4))
+    for r in range(64):
+        for k in range(2):
+            w, nat = word(r, k), x[r, 4 * k : 4 * k + 4]
+            lanes = lambda v: (v & 0xFF, (v >> 16) & 0xFF)  # low bytes of the two lanes
+            assert lanes(w) == (nat[0], nat[1]) and lanes(w >> 8) == (nat[2], nat[3])
+            assert lanes(prmt(w, 0x4240)) == (nat[0], nat[1])  # high bytes: the exponent
+            assert lanes(prmt(w, 0x4341)) == (nat[2], nat[3])  # byte (index 4, zero here)
+            assert prmt(w, 0x3120).to_bytes(4, "little") == bytes(nat)
+        pair = int.from_bytes(bytes(stored[r, :8]), "little")  # (w0, w1) as 8 bytes
+        for c in range(4):
+            f = 2 * c - c % 2
+            assert ((pair >> (8 * f)) & 0xFF, (pair >> (8 * f + 16)) & 0xFF) == (
+                x[r, 2 * c],
+                x[r, 2 * c + 1],
+            )
+
+
+def test_kernel_token_map_is_the_cache_order():
+    """The kernel's view of a step (`plane_tokens` for the ragged mask, `warp_groups` for the
+    key vectors) is kivi_jax's cache order: row r of plane p is slot 64 p + r, which holds
+    token cache_slot(64 p + r); warp w's rows 16 w .. 16 w + 15 of plane p lie in one key group."""
+    from kivi_jax.quant import cache_slot
+
+    rows = np.arange(64)
+    for p in range(8):  # two 256-token blocks
+        tok = np.asarray(layout.plane_tokens(p, jnp.asarray(rows, jnp.int32)))
+        np.testing.assert_array_equal(tok, cache_slot(64 * p + rows))
+        for G in (32, 64, 128):
+            for w, g in enumerate(layout.warp_groups(p, G)):
+                assert set(tok[16 * w : 16 * w + 16] // G) == {g}, (p, G, w)
+    # one group per warp and block at G >= 64, two at G = 32
+    for G, n in ((128, 1), (64, 1), (32, 2)):
+        for w in range(4):
+            assert len({layout.warp_groups(p, G)[w] for p in range(4)}) == n
+
+
+def test_subnormal_code_fields():
+    """`field_sub`: every code of every field, masked in place from a byte widened without
+    exponent bits, is the fp16 subnormal code * 2^(bits j - 24), and a product over it times
+    `field_sub_weight` weighs the code 1."""
+    for bits in (2, 4):
+        for j in range(8 // bits):
+            for code in range(2**bits):
+                byte = code << (bits * j) | (0xFF ^ ((2**bits - 1) << (bits * j)))
+                x = codes.field_sub(jnp.uint16(byte), bits, j)
+                assert x.dtype == jnp.float16
+                assert float(x) == code * 2.0 ** (bits * j - 24), (bits, j, code)
+                assert float(x) * codes.field_sub_weight(bits, j) == code
+
+
+def test_fp8_value_fields():
+    """Every code of every field, masked in place, is the e4m3 number code * weight * 2^-9
+    (bytes 0..15: e4m3's subnormals and first binade, spacing 2^-9)."""
+    f8 = jnp.float8_e4m3fn
+    for bits in (2, 4):
+        for j in range(8 // bits):
+            _, _, weight = codes.f8_field_spec(bits, j)
+            vals = np.arange(2**bits)
+            # the field in place, every other bit of the byte set: the mask must clear them
+            byte = vals << (bits * j) | (0xFF ^ ((2**bits - 1) << (bits * j)))
+            x8 = jnp.asarray(np.broadcast_to(byte.astype(np.uint8), (4, len(vals))))
+            x8 = codes.natural_bytes(x8)  # as the cache stores a row (an involution)
+            val = np.asarray(
+                codes.code_field8_reference(x8, codes.f8_field_spec(bits, j), f8).astype(
+                    jnp.float32
+                )
+            )[0]
+            np.testing.assert_array_equal(val, vals * weight * 2.0**-9, err_msg=f"{bits} {j}")
+
+
+# ---- choose_tuning -------------------------------------------------------------------------
+
+
+def test_choose_tuning_low_precision_products():
+    """choose_tuning sets the opt-in fp8 value product where asked, off by default."""
+    ct = choose_tuning
+    assert ct(8, 8, 131072, fp8_values=True).fp8_values
+    assert ct(8, 8, 131072, key_bits=4, value_bits=4, fp8_values=True).fp8_values
+    assert not ct(8, 8, 131072).fp8_values
+
+
+def test_choose_tuning_softmax_and_copies():
+    """The per-warp softmax where one warpgroup streams a block over at least WSM_MIN_STEPS
+    steps (measured slower with four warpgroups, and over a few steps per split); the slots go
+    back through an mbarrier with four warpgroups unless the planes are packed (there
+    even to faster without), the copies are dealt over the warps with three
+    (0.7-2.2% faster)."""
+    ct = choose_tuning
+    big = ct(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
+    assert big.wg_per_block == 4 and not big.warp_softmax
+    assert big.pack_planes and not big.release_slots
+    assert ct(8, 8, 131072, key_bits=2, value_bits=2, group_size=128, fp8_values=True).release_slots
+    g32 = ct(8, 8, 131072, key_bits=2, value_bits=2, group_size=32)
+    assert g32.wg_per_block == 3 and not g32.release_slots
+    assert g32.spread_copies and not big.spread_copies
+    for kb, B, T, on in (
+        (4, 8, 131072, True),
+        (2, 1, 131072, True),
+        (2, 1, 8192, False),
+        (4, 1, 32768, False),
+    ):
+        tun = ct(B, 8, T, key_bits=kb, value_bits=kb, group_size=128)
+        steps = -(-T // STEP_TOKENS // tun.num_splits)
+        assert tun.wg_per_block == 1 and tun.warp_softmax == on, (kb, B, T, steps)
+        assert not tun.spread_copies and not tun.release_slots
+        assert (steps >= layout.WSM_MIN_STEPS) == on
+
+
+def test_choose_tuning_warpgroups_per_block():
+    """Several warpgroups per block where it measured faster (2-bit at
+    B * Hkv * T >= 2^22), where the W pipelines of a block fit in shared memory: W = 4 at
+    G = 128, else W = 3; and the per-shape features of those launches."""
+    ct = choose_tuning
+    assert ct(8, 8, 131072, group_size=32).wg_per_block == 3  # four do not fit
+    assert ct(32, 8, 32768, group_size=32).wg_per_block == 3
+    assert ct(8, 8, 8192, group_size=32).wg_per_block == 1
+    assert ct(1, 8, 131072, group_size=32).wg_per_block == 1
+    assert ct(8, 8, 131072, group_size=128).wg_per_block == 4
+    assert ct(8, 8, 131072, group_size=128).num_splits == 8
+    # two planes per score tile at 2-bit G=128
+    assert ct(8, 8, 131072, group_size=128).pack_planes
+    assert ct(8, 8, 131072, group_size=32).pack_planes  # with fold_v_warp
+    assert ct(8, 8, 131072, group_size=32).fold_v_warp
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_planes
+    # their padding zero where both products take it, G = D (less energy at the power cap)
+    assert ct(8, 8, 131072, group_size=128).pack_zeros
+    assert ct(1, 8, 8192, group_size=64, head_dim=64).pack_zeros
+    assert not ct(8, 8, 131072, group_size=32).pack_zeros
+    assert not ct(8, 8, 131072, group_size=64).pack_zeros
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=128).pack_zeros
+    # the key bias from 16-group blocks with four warpgroups at 2-bit G=128
+    assert ct(8, 8, 131072, group_size=128).dense_bias
+    assert ct(32, 8, 32768, group_size=128).dense_bias
+    assert not ct(1, 8, 8192, group_size=128).dense_bias  # (one warpgroup: not measured)
+    assert not ct(8, 8, 131072, group_size=32).dense_bias
+    assert not ct(8, 8, 131072, group_size=64).dense_bias
+    # the value scale folded per warp with 64-bit vector loads at 2-bit G < D,
+    # at every (B, T); not at 4 bits (mixed), not at G = D (the value scale folds into P there)
+    for B, T in ((8, 131072), (1, 8192), (32, 32768)):
+        t = ct(B, 8, T, group_size=32)
+        assert t.fold_v_warp and plan(t, G=32, D=128).fvw
+    assert ct(8, 8, 131072, group_size=32, head_dim=64).fold_v_warp
+    assert not ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).fold_v_warp
+    assert not ct(8, 8, 131072, key_bits=2, value_bits=4, group_size=32).fold_v_warp
+    big = ct(8, 8, 131072, group_size=128)
+    assert not big.fold_v_warp
+    assert not ct(8, 8, 131072, group_size=64, head_dim=64).fold_v_warp
+    assert ct(8, 8, 131072, group_size=128, fp8_values=True).wg_per_block == 4
+    assert ct(8, 8, 131072, group_size=64).wg_per_block == 3
+    assert ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=32).wg_per_block == 1
+    for kb, G in ((2, 32), (2, 128)):
+        t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, wg_per_block=3)
+        assert t.wg_per_block == 3
+        assert smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G) <= SMEM_LIMIT
+    # past 8 query heads per kv head P and the q / output tiles grow: the launch still fits
+    # (kivi_decode passes its head count), with fewer warpgroups where W pipelines do not
+    for kb, G, heads in ((2, 32, 32), (2, 128, 32), (2, 128, 16), (4, 128, 64), (2, 32, 8)):
+        t = ct(8, 8, 131072, key_bits=kb, value_bits=kb, group_size=G, q_heads=heads)
+        assert (
+            smem_bytes(t, key_bits=kb, value_bits=kb, group_size=G, padded_heads=heads)
+            <= SMEM_LIMIT
+        ), (kb, G, heads)
+    assert ct(8, 8, 131072, group_size=32, q_heads=32).wg_per_block < 3
+    assert ct(8, 8, 131072, group_size=32, q_heads=8) == ct(8, 8, 131072, group_size=32)
+    for G in (128, 32):  # three 4-bit pipelines of 256-token steps (a block of the cache order)
+        with pytest.raises(ValueError, match="shared memory"):
+            ct(8, 8, 131072, key_bits=4, value_bits=4, group_size=G, wg_per_block=3)
+
+
+def test_choose_tuning_fused_epilogue():
+    """The in-kernel merge with PDL and the q prologue at choose_tuning's 2-bit G = 128 anchor
+    (four warpgroups, two blocks per row), the lazy max with it; neither elsewhere."""
+    a = anchor()
+    assert a.merge_splits and a.pdl and a.q_prologue and a.lazy_max
+    assert merge_cluster(a, False) == 2
+    for t in (anchor(group_size=32), anchor(key_bits=4), choose_tuning(1, 8, 8192)):
+        assert not (t.merge_splits or t.pdl or t.q_prologue or t.lazy_max), t
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def test_tuning_config_validates():
+    with pytest.raises(ValueError, match="num_splits"):
+        TuningConfig(num_splits=0)
+    with pytest.raises(ValueError, match="stages"):
+        TuningConfig(stages=0)
+    with pytest.raises(ValueError, match="stages"):
+        TuningConfig(stages=9)
+    with pytest.raises(ValueError, match="wg_per_block"):
+        TuningConfig(wg_per_block=5)
+    t = choose_tuning(8, 8, 131072, key_bits=2, value_bits=2, group_size=128)
+    assert t.num_splits >= 1
+    with pytest.raises(ValueError, match="multiple of 256"):
+        choose_tuning(8, 8, 131072 + 128)
+    # the removed experiment flags are gone, not ignored
+    for name in ("block_tokens", "fold_k", "mma_sync", "trace", "vec64"):
+        with pytest.raises(TypeError):
+            TuningConfig(**{name: 1})
+    assert {f.name for f in dataclasses.fields(TuningConfig)} == {
+        "num_splits",
+        "stages",
+        "wg_per_block",
+        "fp8_values",
+        "fold_v_warp",
+        "warp_softmax",
+        "lazy_max",
+        "pack_planes",
+        "pack_zeros",
+        "dense_bias",
+        "release_slots",
+        "spread_copies",
+        "merge_splits",
+        "pdl",
+        "q_prologue",
+    }
+
+
+def test_argument_errors():
+    B, Hq, Hkv, D, Tq = 1, 4, 2, 64, 256
+    cache = make_cache(0, 2, B, Hkv, D, Tq, 2, 2, 64)
+    q = make_q(0, B, Hq, D, jnp.float16)
+    nt, layer = jnp.asarray([10], jnp.int32), jnp.int32(0)
+    kw = dict(key_bits=2, value_bits=2, group_size=64, sm_scale=0.1)
+    with pytest.raises(NotImplementedError, match="key_bits=3"):
+        kivi_decode(q, *cache, nt, layer, **{**kw, "key_bits": 3})
+    with pytest.raises(NotImplementedError, match="group_size=16"):
+        kivi_decode(q, *cache, nt, layer, **{**kw, "group_size": 16})
+    with pytest.raises(NotImplementedError, match="dtype"):
+        kivi_decode(q.astype(jnp.float32), *cache, nt, layer, **kw)
+    with pytest.raises(ValueError, match="k_scale"):
+        kivi_decode(q, cache[0], cache[1][..., :-1, :], *cache[2:], nt, layer, **kw)
+    with pytest.raises(ValueError, match="v_codes"):
+        kivi_decode(q, *cache[:3], cache[3].astype(jnp.int8), *cache[4:], nt, layer, **kw)
+    with pytest.raises(ValueError, match="num_tokens"):
+        kivi_decode(q, *cache, jnp.asarray([1, 2], jnp.int32), layer, **kw)
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        kivi_decode(make_q(0, B, 3, D, jnp.float16), *cache, nt, layer, **kw)
+    with pytest.raises(ValueError, match="group_size=128 must divide"):
+        kivi_decode(q, *cache, nt, layer, **{**kw, "group_size": 128})
+    with pytest.raises(ValueError, match="shared memory"):
+        big = make_cache(0, 1, B, Hkv, D, 2048, 4, 4, 32)
+        kivi_decode(
+            q,
+            *big,
+            nt,
+            layer,
+            **{**kw, "key_bits": 4, "value_bits": 4, "group_size": 32},
+            tuning=TC(num_splits=1, stages=8, wg_per_block=2),
+        )
+    with pytest.raises(NotImplementedError, match="head dim"):
+        kivi_decode(make_q(0, B, Hq, 96, jnp.float16), *cache, nt, layer, **kw)
+
+
+def test_case_tables_are_consistent():
+    """The shared case tables: unique names, interpreter cases whose splits fit the stages (the
+    note above `CASES`), and the named case lookup."""
+    from kivi_decode_cases import GPU_CASES, interpreter_steps_fit
+
+    for table in (CASES, FLAG_CASES, MERGE_CASES, GPU_CASES):
+        ids(table)
+    for c in CASES + FLAG_CASES + MERGE_CASES:
+        assert interpreter_steps_fit(c), c.name
+    assert CASE[CASES[0].name] is CASES[0]
