@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore
+from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials as _merge
 
@@ -52,6 +52,13 @@ def _group_query(q: Array, kv_heads: int, scale: float) -> Array:
     return q.astype(jnp.float32).reshape(b, kv_heads, hq // kv_heads, d) * scale
 
 
+def _mask_logits(s: Array, mask: Array) -> Array:
+    """Logits s at held positions (mask), -inf elsewhere. A held logit of -inf (an infinite
+    key, or a q.k overflowing float32) becomes NaN: as -inf it would weigh 0, the key silently
+    ignored, while +inf already ends in NaN (inf / inf)."""
+    return jnp.where(mask, jnp.where(s == -jnp.inf, jnp.nan, s), -jnp.inf)
+
+
 def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
     """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] -> (o [B, H, r, D], lse [B, H, r]).
 
@@ -60,18 +67,23 @@ def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, 
     dot = lambda spec, a, b: jnp.einsum(
         spec, a.astype(b.dtype), b, precision="highest", preferred_element_type=jnp.float32
     )
-    s = jnp.where(mask[:, None, None, :], dot("bhrd,bhnd->bhrn", qg, k), -jnp.inf)
+    s = _mask_logits(dot("bhrd,bhnd->bhrn", qg, k), mask[:, None, None, :])
     return _normalize(s, lambda p: dot("bhrn,bhnd->bhrd", p, v))
 
 
 def _normalize(s: Array, pv) -> tuple[Array, Array]:
-    """Softmax over the last axis of logits s, then pv(p); empty rows give o = 0, lse = -inf."""
+    """Softmax over the last axis of logits s, then pv(p); empty rows give o = 0, lse = -inf.
+
+    A NaN logit (a non-finite key) makes its p, and so o and lse, NaN whatever the max does
+    with it; the `total == 0` test (not `total > 0`) keeps a NaN total NaN in lse.
+    """
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m_safe)
     total = jnp.sum(p, axis=-1)
     o = pv(p) / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, m_safe[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    empty = total == 0
+    lse = jnp.where(empty, -jnp.inf, m_safe[..., 0] + jnp.log(jnp.where(empty, 1.0, total)))
     return o, lse
 
 
@@ -125,7 +137,7 @@ def quantized_region_folded(
     ).reshape(nb, nh, r, tq)
     bias = jnp.einsum("bhrd,bhgd->bhrg", qg, kz, precision="highest")
     s = s + jnp.repeat(bias, g, axis=-1)
-    s = jnp.where((jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None], s, -jnp.inf)
+    s = _mask_logits(s, (jnp.arange(tq)[None, :] < num_tokens[:, None])[:, None, None])
 
     vg = values.group_size
     vcodes = values.codes[layer]
@@ -223,6 +235,21 @@ def _kernel_applies(q: Array, cache: KiviCache) -> bool:
     )
 
 
+def _check_scale(scale, head_dim: int) -> float:
+    """The softmax scale as a Python float: 1/sqrt(D) for None, else a finite positive real."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer):  # the kernel takes it as a compile-time constant
+        raise ValueError("scale must be a concrete number (static under jit), got a traced value")
+    try:
+        value = None if isinstance(scale, bool) else float(scale)
+    except (TypeError, ValueError):  # a string, an array of several values
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale must be a finite positive number (or None), got {scale!r}")
+    return value
+
+
 def decode_attention(
     q: Array,
     cache: KiviCache | DenseCache,
@@ -240,15 +267,19 @@ def decode_attention(
     q.dtype. scale defaults to 1/sqrt(D). tuning: a `pallas_kernels.kivi_decode.TuningConfig`
     for the Pallas kernel (launch parameters and opt-in flags such as fp8_values; default: its
     heuristic; the "-lowp" implementations turn its fp8_values on). Raises
-    ValueError for bad shapes or an unknown implementation,
-    NotImplementedError where "pallas" does not apply.
+    ValueError for bad shapes, an unknown implementation, a scale that is not a finite positive
+    number, or a concrete layer outside [0, L); NotImplementedError where "pallas" does not
+    apply. A traced layer outside [0, L) gives NaN (and a checkify check,
+    `kivi_jax.cache.check_layer`); a non-finite key or value gives NaN in the rows and heads
+    that attend to it (docs/what_happens_when.md).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if not isinstance(cache, KiviCache | DenseCache):
         raise ValueError(f"cache must be a KiviCache or DenseCache, got {type(cache).__name__}")
     _check_query(q, cache)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _check_scale(scale, q.shape[-1])
+    layer, in_range = check_layer(layer, cache.num_layers)
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
@@ -270,4 +301,6 @@ def decode_attention(
             o, _ = _kivi_reference(qg, cache, layer)
     else:
         o, _ = _kivi_reference(qg, cache, layer)
+    if in_range is not None:  # a traced layer out of range was clamped: never another's answer
+        o = jnp.where(in_range, o, jnp.nan)
     return o.reshape(q.shape).astype(q.dtype)

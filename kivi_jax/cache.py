@@ -14,6 +14,13 @@ Capacity policy: a row never holds more than `max_len` tokens. Outside jit, `pre
 written over older ones), `lengths` keeps counting so that `overflowed` is True for that row,
 attention reads only the first `max_len` tokens, and a `checkify.debug_check` reports it
 under `checkify.checkify`. Call `check_capacity(cache)` on the host to raise.
+
+The same policy covers prefill's `lengths` (`_CacheOps._prefill_lengths`): outside jit a length
+outside [0, S] raises ValueError; inside jit the row stores its tokens up to the length clamped
+to [0, S], is marked `overflowed` (its length is set to max_len + 1, so later appends to it are
+dropped too), and a `checkify.debug_check` reports it. A layer index outside [0, L) raises
+ValueError when concrete; a traced one drops the write (`check_layer`). Every case, with the
+non-finite and out-of-range values of quantization: docs/what_happens_when.md.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import numpy as np
 from jax import Array
 from jax.experimental import checkify
 
-from kivi_jax.config import KiviConfig
+from kivi_jax.config import KiviConfig, is_int
 from kivi_jax.quant import (
     CACHE_PLANE,
     CODE_BLOCK,
@@ -78,6 +85,29 @@ def _check_dims(name: str, x, want: tuple, dtype_kind="floating") -> None:
         raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
     if dtype_kind == "integer" and not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def check_layer(layer, num_layers: int) -> tuple[Array | int, Array | None]:
+    """Validate a layer index of a cache of `num_layers` layers -> (index, in_range).
+
+    A concrete index (a Python or NumPy int, or an integer scalar array outside jit) must lie in
+    [0, num_layers) (negative indices do not wrap: -1 is as likely a bug as 7); else ValueError
+    naming `layer`. It is returned as given, with in_range None. A traced index cannot raise:
+    it comes back clamped into range (so every read is defined) with in_range, a traced bool
+    the caller must act on (a write is dropped, attention gives NaN), and a
+    `checkify.debug_check` reports it under `checkify.checkify`.
+    """
+    shape, dtype = getattr(layer, "shape", None), getattr(layer, "dtype", None)
+    scalar_array = shape == () and dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+    if not (is_int(layer) or isinstance(layer, np.integer) or scalar_array):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if _is_concrete(layer):
+        if not 0 <= int(layer) < num_layers:
+            raise ValueError(f"layer must be in [0, {num_layers}), got {layer}")
+        return layer, None
+    in_range = (layer >= 0) & (layer < num_layers)
+    checkify.debug_check(in_range, f"layer {{layer}} outside [0, {num_layers})", layer=layer)
+    return jnp.clip(layer, 0, num_layers - 1), in_range
 
 
 def token_rows(t: Array, bits: int) -> tuple[Array, Array]:
@@ -442,7 +472,8 @@ class _CacheOps:
 
     @property
     def overflowed(self) -> Array:
-        """[B] bool: rows that were asked to hold more than max_len tokens."""
+        """[B] bool: rows that were asked to hold more than max_len tokens, or were prefilled
+        under jit with lengths outside [0, S] (module doc)."""
         return self.lengths > self.max_len
 
     def advance(self):
@@ -472,6 +503,25 @@ class _CacheOps:
         cache = self.advance()
         return jax.lax.fori_loop(0, nl, lambda l, c: c.write(l, k[l], v[l]), cache)
 
+    def _prefill_lengths(self, k, v, lengths) -> tuple[Array, Array]:
+        """Check prefill's arguments -> (int32 lengths to store, int32 lengths to record).
+
+        S <= max_len is checked on shapes, so a valid length, in [0, S], fits the cache.
+        Concrete lengths outside [0, S] raise ValueError; traced ones are clamped for storing
+        and their rows recorded as holding max_len + 1 tokens (`overflowed`, module doc).
+        """
+        self._check_prefill(k, v, lengths)
+        lengths = lengths.astype(jnp.int32)
+        if _is_concrete(lengths):
+            return lengths, lengths
+        s = k.shape[3]
+        ok = (lengths >= 0) & (lengths <= s)
+        checkify.debug_check(
+            jnp.all(ok), f"prefill: lengths {{lengths}} outside [0, S={s}]", lengths=lengths
+        )
+        stored = jnp.clip(lengths, 0, s)
+        return stored, jnp.where(ok, stored, self.max_len + 1)
+
     def _check_prefill(self, k, v, lengths):
         want = (self.num_layers, self.batch, self.kv_heads, None, self.head_dim)
         _check_dims("k", k, want)
@@ -486,10 +536,16 @@ class _CacheOps:
             raise ValueError(f"lengths must lie in [0, S={s}], got {np.asarray(lengths)}")
 
     def _check_token(self, layer, k, v):
+        """Check write's arguments -> (layer index, write position [B], valid [B]); a traced
+        layer out of range makes no row valid: the write is dropped in every layer (clamped,
+        it would land in the last layer)."""
         _check_dims("k", k, (self.batch, self.kv_heads, self.head_dim))
         _check_dims("v", v, (self.batch, self.kv_heads, self.head_dim))
-        if isinstance(layer, int) and not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        layer, in_range = check_layer(layer, self.num_layers)
+        pos, valid = self._write_position()
+        if in_range is not None:
+            valid = valid & in_range
+        return layer, pos, valid
 
 
 def _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype) -> None:
@@ -504,12 +560,14 @@ def _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype) -> None:
 
 
 def check_capacity(cache) -> None:
-    """Raise ValueError on the host if any row of `cache` overflowed its capacity."""
+    """Raise ValueError on the host if any row of `cache` overflowed its capacity (or was
+    prefilled under jit with lengths outside [0, S])."""
     over = np.asarray(cache.overflowed)
     if over.any():
         raise ValueError(
             f"KV cache overflow in rows {np.nonzero(over)[0].tolist()} "
-            f"(max_len={cache.max_len}); tokens past capacity were dropped"
+            f"(max_len={cache.max_len}); tokens past capacity were dropped, or a prefill "
+            "under jit got lengths outside [0, S]"
         )
 
 
@@ -584,15 +642,14 @@ class KiviCache(_CacheOps):
         Quantizes every full group at once and leaves the rest in the residual, exactly as
         streaming the same tokens through `append` would (bit for bit).
         """
-        self._check_prefill(k, v, lengths)
-        return _kivi_prefill(self, k, v, lengths.astype(jnp.int32))
+        return _kivi_prefill(self, k, v, *self._prefill_lengths(k, v, lengths))
 
-    def _prefill(self, k: Array, v: Array, lengths: Array) -> KiviCache:
+    def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> KiviCache:
         return dataclasses.replace(
             self,
             keys=self.keys.prefill(k, lengths),
             values=self.values.prefill(v, lengths),
-            lengths=lengths,
+            lengths=recorded,
         )
 
     def advance(self) -> KiviCache:
@@ -607,8 +664,7 @@ class KiviCache(_CacheOps):
     def write(self, layer, k: Array, v: Array) -> KiviCache:
         """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer` (after
         `advance`, which starts the step for all layers)."""
-        self._check_token(layer, k, v)
-        pos, valid = self._write_position()
+        layer, pos, valid = self._check_token(layer, k, v)
         return dataclasses.replace(
             self,
             keys=self.keys.write(layer, pos, k, valid),
@@ -680,20 +736,19 @@ class DenseCache(_CacheOps):
     dtype = property(lambda self: self.k.dtype)
 
     def prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
-        self._check_prefill(k, v, lengths)
-        return _dense_prefill(self, k, v, lengths.astype(jnp.int32))
+        """Replace the contents with prompts k, v [L, B, Hkv, S, D] of `lengths` [B] tokens."""
+        return _dense_prefill(self, k, v, *self._prefill_lengths(k, v, lengths))
 
-    def _prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
+    def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> DenseCache:
         s = k.shape[3]
         keep = (jnp.arange(s)[None, :] < lengths[:, None])[None, :, None, :, None]
         put = lambda buf, x: (
             jnp.zeros_like(buf).at[:, :, :, :s].set(jnp.where(keep, x, 0).astype(buf.dtype))
         )
-        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v), lengths=lengths)
+        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v), lengths=recorded)
 
     def write(self, layer, k: Array, v: Array) -> DenseCache:
-        self._check_token(layer, k, v)
-        pos, valid = self._write_position()
+        layer, pos, valid = self._check_token(layer, k, v)
         b = jnp.arange(self.batch)
         pos = jnp.where(valid, pos, self.max_len)
         put = lambda buf, x: buf.at[layer, b, :, pos].set(x.astype(buf.dtype), mode="drop")

@@ -18,6 +18,24 @@ SUPPORTED_BITS = (2, 4, 8)
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
+def is_int(x) -> bool:
+    """A Python int that is not a bool: sizes and bit widths are static, hashable Python ints
+    (2.0 == 2 and True == 1 would pass a membership test and fail later, far from the cause)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def scale_dtype_name(scale_dtype) -> str:
+    """The name in SCALE_DTYPES of `scale_dtype` (a name, a dtype or a scalar type); raise
+    ValueError naming `scale_dtype` for anything else."""
+    try:
+        name = jnp.dtype(scale_dtype).name
+    except TypeError:
+        name = None
+    if name not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class KiviConfig:
     """How keys and values are quantized. Frozen and hashable: pass it as a static argument.
@@ -43,17 +61,17 @@ class KiviConfig:
     def __post_init__(self):
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
-            if bits not in SUPPORTED_BITS:
-                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+            if not is_int(bits) or bits not in SUPPORTED_BITS:
+                raise ValueError(f"{name} must be an int in {SUPPORTED_BITS}, got {bits!r}")
         g = self.group_size
-        if not isinstance(g, int) or g < 8 or g > 256 or g & (g - 1):
-            raise ValueError(f"group_size must be a power of two in [8, 256], got {g!r}")
+        if not is_int(g) or g < 8 or g > 256 or g & (g - 1):
+            raise ValueError(f"group_size must be a power of two (int) in [8, 256], got {g!r}")
         r = self.residual_length
-        if not isinstance(r, int) or r < 0 or r % g:
+        if not is_int(r) or r < 0 or r % g:
             raise ValueError(
                 f"residual_length must be a non-negative multiple of group_size={g}, got {r!r}"
             )
-        if self.scale_dtype not in SCALE_DTYPES:
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         for name in ("key_axis", "value_axis"):
             if getattr(self, name) not in ("channel", "token"):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from kivi_jax.config import KiviConfig
+from kivi_jax.config import SUPPORTED_BITS, KiviConfig, is_int, scale_dtype_name
 from pallas_kernels.layout import (  # noqa: F401  (re-exported: the cache's bit layout)
     CACHE_BLOCK,
     CACHE_PLANE,
@@ -53,26 +53,55 @@ def minmax_quantize(x: Array, bits: int, axis: int, scale_dtype=jnp.float16):
     `axis` kept at size 1; x ~= codes * scale + minimum. The stored minimum is rounded down and
     the scale up, so the grid of the rounded values still covers [min, max] and every element is
     within scale / 2 of its reconstruction. A constant group gets scale 0 and gives its value back
-    (exactly, when that value is representable in `scale_dtype`), never NaN or Inf.
+    (exactly, when that value is representable in `scale_dtype`).
+
+    Edges (docs/what_happens_when.md): a group holding a NaN or an infinity gets NaN scale and
+    minimum and codes 0, so all of it dequantizes to NaN, at every shape. A finite group never
+    gets a NaN or infinite scale or minimum: its min and max saturate at the finite range +-M of
+    `scale_dtype` (M = 65504 for float16), so an element beyond +-M reconstructs within scale / 2
+    of +-M, and every other element within scale / 2 of itself.
     """
     xf = x.astype(jnp.float32)
-    lo = jnp.min(xf, axis=axis, keepdims=True)
-    hi = jnp.max(xf, axis=axis, keepdims=True)
+    # An explicit flag: XLA's CPU min/max reductions skip NaN at some shapes and not at others.
+    bad = jnp.any(~jnp.isfinite(xf), axis=axis, keepdims=True)
+    big = float(jnp.finfo(scale_dtype).max)
+    # Saturating the group's ends (not x: codes clip to [0, qmax] anyway) keeps both the
+    # minimum and, since (M - -M) / qmax < M for qmax >= 3, the scale representable.
+    lo = jnp.clip(jnp.min(xf, axis=axis, keepdims=True), -big, big)
+    hi = jnp.clip(jnp.max(xf, axis=axis, keepdims=True), -big, big)
     qmax = (1 << bits) - 1
     const = hi == lo
     mn = _round_toward(lo, scale_dtype, -1.0)
-    scale = _round_toward((hi - mn.astype(jnp.float32)) / qmax, scale_dtype, 1.0)
+    span = hi - mn.astype(jnp.float32)
+    # hi - mn overflows float32 only for float32 or bfloat16 scales of groups spanning most of
+    # the float32 range; dividing first is the same step without the overflow.
+    step = jnp.where(jnp.isfinite(span), span / qmax, hi / qmax - mn.astype(jnp.float32) / qmax)
+    scale = _round_toward(step, scale_dtype, 1.0)
     mn = jnp.where(const, lo.astype(scale_dtype), mn)
     scale = jnp.where(const, jnp.zeros_like(scale), scale)
+    mn = jnp.where(bad, jnp.full_like(mn, jnp.nan), mn)
+    scale = jnp.where(bad, jnp.full_like(scale, jnp.nan), scale)
     sf = scale.astype(jnp.float32)
-    safe = jnp.where(sf > 0, sf, 1.0)
-    q = jnp.where(sf > 0, jnp.round((xf - mn.astype(jnp.float32)) / safe), 0.0)
+    # XLA divides by a per-group value through its reciprocal, which for a scale above 2^126
+    # (float32 or bfloat16 scales) is subnormal and flushed to zero: every code would be 0.
+    # Both operands are scaled by an exact power of two there (by 1, exactly, elsewhere).
+    r = jnp.where(sf > 2.0**64, 2.0**-64, 1.0)
+    safe = jnp.where(sf > 0, sf * r, 1.0)
+    # a NaN scale fails sf > 0: a non-finite group's codes are 0, never a cast of NaN
+    q = jnp.where(sf > 0, jnp.round((xf - mn.astype(jnp.float32)) * r / safe), 0.0)
     return jnp.clip(q, 0, qmax).astype(jnp.uint8), scale, mn
 
 
 def dequantize_codes(codes: Array, scale: Array, minimum: Array, dtype=jnp.float32) -> Array:
-    """codes * scale + minimum in float32, cast to `dtype` (scale/minimum broadcast)."""
+    """codes * scale + minimum in float32, cast to `dtype` (scale/minimum broadcast).
+
+    Saturates at `dtype`'s finite range: a reconstruction may lie up to scale / 2 past the
+    group's max (the scale is rounded up), which for a float16 group reaching 65504 would
+    otherwise round to Inf. NaN (a non-finite group's) stays NaN.
+    """
     out = codes.astype(jnp.float32) * scale.astype(jnp.float32) + minimum.astype(jnp.float32)
+    big = float(jnp.finfo(dtype).max)
+    out = jnp.where(jnp.abs(out) > big, jnp.copysign(big, out), out)
     return out.astype(dtype)
 
 
@@ -123,14 +152,23 @@ def _check_tensor(x: Array, name: str, group_axis: int, group_size: int) -> None
 def quantize(
     x: Array, bits: int, group_size: int, axis: str, scale_dtype="float16"
 ) -> QuantizedTensor:
-    """Quantize x [..., T, D] in groups of `group_size` along T (axis="channel") or D ("token")."""
+    """Quantize x [..., T, D] in groups of `group_size` along T (axis="channel") or D ("token").
+
+    bits: an int in (2, 4, 8); group_size: a positive int dividing the grouped axis;
+    scale_dtype: one of "float16", "bfloat16", "float32" (or the dtype). Raises ValueError
+    naming the argument otherwise. Non-finite and out-of-range values: `minmax_quantize`.
+    """
     if axis not in ("channel", "token"):
         raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
-    codes_per_byte(bits)
+    if not is_int(bits) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be an int in {SUPPORTED_BITS}, got {bits!r}")
+    if not is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    scale_dtype = scale_dtype_name(scale_dtype)
     x = jnp.asarray(x)
     gax = x.ndim - 2 if axis == "channel" else x.ndim - 1
     _check_tensor(x, "x", gax, group_size)
-    return _quantize(x, bits, group_size, axis, jnp.dtype(scale_dtype).name)
+    return _quantize(x, bits, group_size, axis, scale_dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -165,8 +203,17 @@ def quantize_values(v: Array, config: KiviConfig) -> QuantizedTensor:
 
 
 def dequantize(q: QuantizedTensor, dtype=None) -> Array:
-    """Reconstruct [..., T, D] from a QuantizedTensor, in `dtype` (default: the input's dtype)."""
-    return _dequantize(q, jnp.dtype(q.dtype if dtype is None else dtype).name)
+    """Reconstruct [..., T, D] from a QuantizedTensor, in the floating `dtype` (default: the
+    input's dtype), saturated at its finite range; a non-finite group comes back as NaN."""
+    if not isinstance(q, QuantizedTensor):
+        raise ValueError(f"q must be a QuantizedTensor, got {type(q).__name__}")
+    try:
+        out = jnp.dtype(q.dtype if dtype is None else dtype)
+    except TypeError:
+        out = None
+    if out is None or not jnp.issubdtype(out, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+    return _dequantize(q, out.name)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -177,8 +224,8 @@ def _dequantize(q: QuantizedTensor, dtype: str) -> Array:
     g = q.group_size
     if q.axis == "channel":
         c = codes.reshape(*lead, t // g, g, d)
-        out = dequantize_codes(c, q.scale[..., None, :], q.minimum[..., None, :])
+        out = dequantize_codes(c, q.scale[..., None, :], q.minimum[..., None, :], dtype)
     else:
         c = codes.reshape(*lead, t, d // g, g)
-        out = dequantize_codes(c, q.scale[..., None], q.minimum[..., None])
-    return out.reshape(*lead, t, d).astype(dtype)
+        out = dequantize_codes(c, q.scale[..., None], q.minimum[..., None], dtype)
+    return out.reshape(*lead, t, d)

@@ -10,17 +10,27 @@ import typer
 
 
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt (a user message)."),
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="The prompt (a user message); or use --prompt-file."
+    ),
+    prompt_file: str | None = typer.Option(
+        None,
+        "--prompt-file",
+        help="Read the prompt from this UTF-8 file (- for stdin; trailing newlines dropped).",
+    ),
     model: str = typer.Option(
         "smollm2", "--model", "-m", help="Model name (smollm2), a .gguf file or a HF directory."
     ),
     cache: str = typer.Option(
         "kivi2", "--cache", help="KV cache: fp16 (dense, model dtype), kivi2, kivi4, k4v2, ..."
     ),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (the default)."),
     temperature: float | None = typer.Option(
-        None, "--temperature", "-t", help="Sample at this temperature (turns off greedy)."
+        None,
+        "--temperature",
+        "-t",
+        help="Sample at this temperature (turns off greedy); 0 means greedy.",
     ),
     top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely (0: off)."),
@@ -37,7 +47,14 @@ def generate(
         help="decode attention: auto, reference, folded, pallas, auto-lowp, pallas-lowp (the "
         "kernel with its fp8 value product: faster, less exact).",
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    allow_unused_weights: bool = typer.Option(
+        False,
+        "--allow-unused-weights",
+        help="Load a checkpoint holding tensors the model config does not use (warns).",
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print one JSON object on stdout (notices go to stderr)."
+    ),
     stream: bool = typer.Option(
         False, "--stream", help="Print tokens as they come (one jitted step per token)."
     ),
@@ -48,40 +65,36 @@ def generate(
 
     import kivi_jax
     from kivi_jax import memory
+    from models import cli_checks as checks
     from models import generate as gen
     from models.loader import enable_compile_cache, load_model
 
+    # Every flag is checked before the model loads: a typo costs no loading time.
+    with checks.user_errors():
+        prompt = checks.read_prompt(prompt, prompt_file)
+        checks.check_caches([cache], group_size, residual_length, residual_flag="--residual-length")
+        checks.check_dtype(dtype)
+        checks.check_positive(max_new_tokens, "--max-new-tokens")
+        checks.check_implementation(implementation, [cache])
+        sampling = checks.sampling_from_flags(greedy, temperature, top_p, top_k)
+        checks.check_model_source(model)
     enable_compile_cache()
-    if cache not in kivi_jax.CACHE_NAMES:
-        raise typer.BadParameter(
-            f"unknown cache {cache!r}; choose one of {', '.join(kivi_jax.CACHE_NAMES)}",
-            param_hint="--cache",
-        )
-    if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
-    if greedy and (temperature is not None or top_p is not None or top_k):
-        raise typer.BadParameter("--greedy excludes --temperature/--top-p/--top-k")
-    sampling = gen.GREEDY
-    if temperature is not None or top_p is not None or top_k:
-        sampling = gen.Sampling(
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=top_k,
-        )
 
     status = sys.stderr
     t0 = time.perf_counter()
-    try:
-        config, params, tok = load_model(model, jnp.dtype(dtype), progress=not json_out)
-    except (FileNotFoundError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    with checks.user_errors():
+        config, params, tok = load_model(
+            model,
+            jnp.dtype(dtype),
+            progress=not json_out,
+            allow_unused=allow_unused_weights,
+        )
     if tok is None:
-        typer.echo(f"error: {model} has no tokenizer (tokenizer.json)", err=True)
-        raise typer.Exit(2)
+        checks.fail(f"--model {model} has no tokenizer (tokenizer.json)")
     params = gen.decode_layout(params)  # rebinding frees the stacked weights on GPUs
     load_s = time.perf_counter() - t0
-    text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
+    with checks.user_errors():  # no chat template, or one we cannot render
+        text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
     ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
     cfg_kw = dict(group_size=group_size, residual_length=residual_length)
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
@@ -91,22 +104,22 @@ def generate(
             f"{jax.default_backend()} ({load_s:.1f} s to load)",
             file=status,
         )
-    if stream and not json_out:
-        _stream(
-            gen,
-            tok,
-            params,
-            config,
-            ids,
-            cache,
-            max_new_tokens,
-            sampling,
-            seed,
-            implementation,
-            cfg_kw,
-        )
-        return
-    try:
+    with checks.user_errors():  # what the kernel declines at trace time, a too-long prompt
+        if stream and not json_out:
+            _stream(
+                gen,
+                tok,
+                params,
+                config,
+                ids,
+                cache,
+                max_new_tokens,
+                sampling,
+                seed,
+                implementation,
+                cfg_kw,
+            )
+            return
         out = gen.generate(
             params,
             config,
@@ -119,9 +132,6 @@ def generate(
             implementation=implementation,
             **cfg_kw,
         )
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
     new = out.tokens[0]
     text = tok.decode(new)
     shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim)

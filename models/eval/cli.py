@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from typing import Annotated
 
@@ -19,11 +20,13 @@ CacheOpt = Annotated[str, typer.Option(help="Cache: fp16, kivi2, kivi4, k4v2, pe
 GroupOpt = Annotated[int, typer.Option(help="G: quantization group size (quantized caches)")]
 ResidualOpt = Annotated[int, typer.Option(help="R: full-precision residual tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="Weights and residual dtype: float32, bfloat16")]
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+AllowUnusedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-unused-weights",
+        help="Load a checkpoint holding tensors the model config does not use (warns)",
+    ),
+]
 
 
 @eval_app.command("ppl")
@@ -48,26 +51,40 @@ def ppl_cmd(
             "auto-lowp, pallas-lowp"
         ),
     ] = "auto",
+    allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Perplexity through a KV cache: streaming (prefill P, decode T through the cache) or
     simulated (quantize-dequantize every K/V inside one forward pass)."""
+    from models import cli_checks as checks
     from models.eval import ppl
 
     spec = ppl.CacheSpec(cache, group_size, residual)
-    try:
-        spec.config()  # unknown name / bad G or R: fail before loading the model
+    with checks.user_errors():  # every flag before the model loads
+        checks.check_caches([cache], group_size, residual)
+        checks.check_dtype(dtype)
+        for value, flag in (
+            (prefill, "--prefill"),
+            (decode, "--decode"),
+            (windows, "--windows"),
+            (batch_size, "--batch-size"),
+        ):
+            checks.check_positive(value, flag)
+        checks.check_implementation(implementation, [cache])
         if protocol not in ppl.PROTOCOLS:
             raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
         text = ppl.load_corpus(text_file)
-    except (ValueError, OSError) as e:
-        _fail(str(e))
+        checks.check_model_source(model)
     from models.generate import decode_layout
     from models.loader import enable_compile_cache, load_model
 
     enable_compile_cache()
-    try:
-        config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+    with checks.user_errors():
+        config, params, tokenizer = load_model(
+            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
+        )
+        if tokenizer is None:
+            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
         params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         ppl.check_context(prefill, decode, config.max_position_embeddings)
         tokens = tokenizer.encode(text, add_bos=False)
@@ -86,8 +103,6 @@ def ppl_cmd(
             max_positions=config.max_position_embeddings,
             implementation=implementation,
         )
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
     out = {"model": config.name, "corpus": text_file or "pydoc", "dtype": dtype, **out}
     if as_json:
         typer.echo(json.dumps(out))
@@ -101,9 +116,23 @@ def ppl_cmd(
 
 def _floats(text: str, name: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    bad = [x for x in out if not math.isfinite(x)]
+    if bad:
+        raise ValueError(f"{name} must be finite numbers, got {bad[0]}")
+    return out
+
+
+def _lengths(text: str) -> list[int]:
+    """--lengths: comma-separated whole token counts >= 1 (1024.5 is an error, not 1024)."""
+    out = []
+    for x in _floats(text, "--lengths"):
+        if x != int(x) or x < 1:
+            raise ValueError(f"--lengths must be whole token counts >= 1, got {x:g}")
+        out.append(int(x))
+    return out
 
 
 @eval_app.command("passkey")
@@ -133,27 +162,43 @@ def passkey_cmd(
             "auto-lowp, pallas-lowp"
         ),
     ] = "auto",
+    allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Passkey retrieval accuracy per (length, depth), greedy, for each cache on the same keys."""
+    from models import cli_checks as checks
     from models.eval import passkey, ppl
 
-    try:
-        specs = [ppl.CacheSpec(c, group_size, residual) for c in (cache or ["fp16", "kivi2"])]
-        for s in specs:
-            s.config()
-        lens = [int(x) for x in _floats(lengths, "--lengths")]
+    names = cache or ["fp16", "kivi2"]
+    with checks.user_errors():  # every flag before the model loads
+        checks.check_caches(names, group_size, residual)
+        checks.check_dtype(dtype)
+        for value, flag in (
+            (trials, "--trials"),
+            (max_new_tokens, "--max-new-tokens"),
+            (batch_size, "--batch-size"),
+        ):
+            checks.check_positive(value, flag)
+        checks.check_implementation(implementation, names)
+        specs = [ppl.CacheSpec(c, group_size, residual) for c in names]
+        lens = _lengths(lengths)
         deps = _floats(depths, "--depths")
         if not lens or not deps:
             raise ValueError("--lengths and --depths need at least one value each")
-    except ValueError as e:
-        _fail(str(e))
+        bad = [d for d in deps if not 0 <= d <= 1]
+        if bad:
+            raise ValueError(f"--depths must be in [0, 1], got {bad[0]:g}")
+        checks.check_model_source(model)
     from models.generate import decode_layout
     from models.loader import enable_compile_cache, load_model
 
     enable_compile_cache()
-    try:
-        config, params, tokenizer = load_model(model, dtype, progress=not as_json)
+    with checks.user_errors():
+        config, params, tokenizer = load_model(
+            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
+        )
+        if tokenizer is None:
+            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
         params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         results = passkey.evaluate_passkey(
             params,
@@ -171,8 +216,6 @@ def passkey_cmd(
             on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
             batch_size=batch_size,
         )
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
     if as_json:
         typer.echo(json.dumps({"model": config.name, "results": results}))
         return
@@ -203,8 +246,17 @@ def report_cmd(
 ) -> None:
     """Run the cache grid (perplexity both ways, passkey, key magnitudes) on a real model and
     write docs/accuracy.md with plots. Tasks already in --results are skipped (resumable)."""
+    from models import cli_checks as checks
     from models.eval import report
 
+    with checks.user_errors():
+        for value, flag in (
+            (prefill, "--prefill"),
+            (decode, "--decode"),
+            (windows, "--windows"),
+            (trials, "--trials"),
+        ):
+            checks.check_positive(value, flag)
     settings = report.GridSettings(
         model=model, prefill=prefill, decode=decode, windows=windows, passkey_trials=trials
     )

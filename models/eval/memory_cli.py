@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated
 
 import typer
@@ -77,7 +78,8 @@ def memory(
     kv_heads: Annotated[int | None, typer.Option(help="Override: key/value heads")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Override: head dim")] = None,
     params: Annotated[
-        float | None, typer.Option(help="Override: parameter count (e.g. 7e9) for the weights")
+        float | None,
+        typer.Option(help="Override: parameter count (e.g. 7e9) for the weights; finite, >= 1"),
     ] = None,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes of a full-precision element")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
@@ -88,7 +90,9 @@ def memory(
     per row at --batch and the largest batch at --tokens that fit on --gpu-memory x --num-gpus
     after the weights.
     """
-    try:
+    from models import cli_checks as checks
+
+    with checks.user_errors():
         result = compute_memory(
             model=model,
             tokens=tokens,
@@ -105,8 +109,6 @@ def memory(
             params=params,
             dtype_bytes=dtype_bytes,
         )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -130,7 +132,33 @@ def compute_memory(
     params: float | None,
     dtype_bytes: int,
 ) -> dict:
-    """The `memory` command's numbers as a dict. Raises ValueError on bad input."""
+    """The `memory` command's numbers as a dict. Raises ValueError naming the flag on bad input."""
+    from models.cli_checks import check_caches, check_positive
+
+    # Flags first, by name: KVShape and the sizing functions would name their own fields.
+    for value, flag in (
+        (layers, "--layers"),
+        (kv_heads, "--kv-heads"),
+        (head_dim, "--head-dim"),
+        (dtype_bytes, "--dtype-bytes"),
+        (num_gpus, "--num-gpus"),
+        (batch, "--batch"),
+        (tokens, "--tokens"),
+    ):
+        check_positive(value, flag)
+    # A negative count gave negative weight bytes (a budget above the GPU's memory); NaN and inf
+    # reached int(). Below 1 is no parameter count at all.
+    if params is not None and not (math.isfinite(params) and params >= 1):
+        raise ValueError(f"--params must be a finite parameter count >= 1 (e.g. 7e9), got {params}")
+    check_caches(caches, group_size, residual)
+    if weights not in mem.WEIGHT_BYTES_PER_PARAM:
+        raise ValueError(
+            f"--weights must be one of {', '.join(mem.WEIGHT_BYTES_PER_PARAM)}, got {weights!r}"
+        )
+    try:
+        gpu = mem.parse_bytes(gpu_memory) * num_gpus
+    except ValueError as e:
+        raise ValueError(f"--gpu-memory: {e}") from None
     preset = None
     if model is not None:
         from models.presets import get_preset
@@ -150,15 +178,8 @@ def compute_memory(
         if preset is None:
             raise ValueError("--tokens is required without --model")
         tokens = preset.max_position_embeddings
-    if num_gpus < 1:
-        raise ValueError(f"--num-gpus must be >= 1, got {num_gpus}")
-    if batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {batch}")
-    if tokens < 1:
-        raise ValueError(f"--tokens must be >= 1, got {tokens}")
     n_params = int(params) if params is not None else (preset.num_params() if preset else 0)
     wbytes = mem.weight_bytes(n_params, weights)
-    gpu = mem.parse_bytes(gpu_memory) * num_gpus
     budget = gpu - wbytes
     notes = []
     if n_params == 0:
