@@ -210,6 +210,11 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
     )
+    if interpret and not isinstance(o, jax.core.Tracer):
+        # Called eagerly, the interpreted kernel runs asynchronously and its callbacks dispatch
+        # eager ops of their own; eager ops issued here meanwhile can deadlock the CPU client
+        # (seen on 2 cores), so the kernel finishes first. Under jit there is one executable.
+        jax.block_until_ready((o, lse))
     b, hq, d = q.shape
     main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
