@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from bench import common
 from bench.kernel_grid import HEAD_DIM, KV_HEADS, RESIDUAL
-from pallas_kernels.kivi_decode import choose_tuning
 
 QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -70,18 +69,7 @@ def variant_tuning(cache, hq: int, variant: str):
     cache with the variant's overrides."""
     if variant in ("", "default"):
         return None
-    cfg = cache.config
-    base = choose_tuning(
-        cache.batch,
-        cache.kv_heads,
-        cache.keys.capacity,
-        key_bits=cfg.key_bits,
-        value_bits=cfg.value_bits,
-        group_size=cfg.group_size,
-        head_dim=cache.head_dim,
-        q_heads=hq // cache.kv_heads,
-    )
-    return common.override(base, variant)
+    return common.override(common.cache_tuning(cache, hq), variant)
 
 
 def main(argv=None):

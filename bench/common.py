@@ -329,3 +329,21 @@ def write_json(path: str | Path, **content) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(content, indent=1, default=str) + "\n")
     return path
+
+
+def cache_tuning(cache, q_heads: int):
+    """The launch the kernel chooses for this cache and q_heads query heads (what
+    decode_attention's tuning=None gives)."""
+    from pallas_kernels.kivi_decode import choose_tuning
+
+    cfg = cache.config
+    return choose_tuning(
+        cache.batch,
+        cache.kv_heads,
+        cache.keys.capacity,
+        key_bits=cfg.key_bits,
+        value_bits=cfg.value_bits,
+        group_size=cfg.group_size,
+        head_dim=cache.head_dim,
+        q_heads=q_heads // cache.kv_heads,
+    )

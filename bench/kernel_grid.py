@@ -38,7 +38,6 @@ import numpy as np
 
 import kivi_jax
 from bench import common
-from pallas_kernels.kivi_decode import choose_tuning
 
 KV_HEADS, HEAD_DIM, RESIDUAL = 8, 128, 128
 GRID = dict(batches="1,8,32", tokens="8192,32768,131072", kbg="2:128,2:32,4:128,4:32")
@@ -49,19 +48,7 @@ DRY_RUN = dict(batches="2", tokens="256", kbg="2:32", calls=3, rounds=2)
 def kernel_tuning(cache: kivi_jax.KiviCache, q_heads: int) -> str:
     """The launch the kernel chooses for this cache (what decode_attention's tuning=None
     gives), for the results row."""
-    cfg = cache.config
-    return str(
-        choose_tuning(
-            cache.batch,
-            cache.kv_heads,
-            cache.keys.capacity,
-            key_bits=cfg.key_bits,
-            value_bits=cfg.value_bits,
-            group_size=cfg.group_size,
-            head_dim=cache.head_dim,
-            q_heads=q_heads // cache.kv_heads,
-        )
-    )
+    return str(common.cache_tuning(cache, q_heads))
 
 
 def measure(
