@@ -479,6 +479,15 @@ CLI_FLAG_CASES = [
     (["memory", "--model", "smollm2", "--weights", "int3"], ["--weights", "'int3'"]),
     (["memory", "--model", "smollm2", "--cache", "kivi3"], ["--cache", "'kivi3'"]),
     (["memory", "--model", "smollm2", "--tokens", "0"], ["--tokens", "got 0"]),
+    # what the parser finds itself: the same one `error:` line, with the command's help hint
+    (["generate", "-p", "hi", "--temperature", "abc"], ["'--temperature'", "number",
+     "generate --help"]),
+    (["generate", "-p", "hi", "--max-new-tokens", "1.5"], ["'--max-new-tokens'", "integer"]),
+    (["memory", "--bogus"], ["No such option: --bogus", "memory --help"]),
+    (["eval", "ppl", "--bogus"], ["No such option: --bogus", "eval ppl --help"]),
+    (["generate", "-p"], ["-p", "requires an argument"]),
+    (["nosuch"], ["No such command 'nosuch'", " --help'"]),
+    (["eval", "nosuch"], ["No such command 'nosuch'", "eval --help"]),
 ]  # fmt: skip
 
 
@@ -512,11 +521,19 @@ def test_cli_empty_stdin_prompt(monkeypatch):
     assert_cli_error(cli(["generate", "--prompt-file", "-"], input=""), "--prompt-file -", "empty")
 
 
-def test_console_script_prints_no_traceback():
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (["generate", "-p", "hi", "--top-k", "-5"], "error: --top-k must be >= 0 (0: off), got -5"),
+        (["memory", "--bogus"], "error: No such option: --bogus (see 'kivi-jax memory --help')"),
+    ],
+    ids=["a command's check", "the parser's"],
+)
+def test_console_script_prints_no_traceback(args, error):
     """The installed entry point (not CliRunner): a bad flag is one line on stderr, status 2."""
     exe = Path(sys.executable).with_name("kivi-jax")
     res = subprocess.run(
-        [str(exe), "generate", "-p", "hi", "--top-k", "-5"],
+        [str(exe), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -524,7 +541,12 @@ def test_console_script_prints_no_traceback():
     )
     assert res.returncode == 2, res.stderr
     assert res.stdout == "" and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == "error: --top-k must be >= 0 (0: off), got -5"
+    assert res.stderr.strip().splitlines() == [error]
+
+
+def test_bare_command_prints_the_help():
+    res = cli([])
+    assert res.exit_code == 2 and "generate" in res.output and "error:" not in res.output
 
 
 # -- CLI: bad models and the tiny GGUF end to end --------------------------------------------
