@@ -40,7 +40,9 @@ def _round_toward(x: Array, dtype, direction: float) -> Array:
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
         return x
-    c = x.astype(dtype)
+    # The barrier keeps the round trip: XLA may drop a convert pair (f32 -> f16 -> f32) as
+    # "excess precision" (the GPU backend does), and `back` would then be x, never "wrong".
+    c = jax.lax.optimization_barrier(x.astype(dtype))
     back = c.astype(jnp.float32)
     wrong = back > x if direction < 0 else back < x
     return jnp.where(wrong, jnp.nextafter(c, jnp.array(direction * jnp.inf, dtype)), c)
@@ -81,14 +83,18 @@ def minmax_quantize(x: Array, bits: int, axis: int, scale_dtype=jnp.float16):
     scale = jnp.where(const, jnp.zeros_like(scale), scale)
     mn = jnp.where(bad, jnp.full_like(mn, jnp.nan), mn)
     scale = jnp.where(bad, jnp.full_like(scale, jnp.nan), scale)
-    sf = scale.astype(jnp.float32)
+    # The codes are computed against the stored (rounded) scale and minimum, not against a
+    # float32 value XLA kept in their place as excess precision: the barrier pins them.
+    scale, mn = jax.lax.optimization_barrier((scale, mn))
+    sf, mnf = scale.astype(jnp.float32), mn.astype(jnp.float32)
     # XLA divides by a per-group value through its reciprocal, which for a scale above 2^126
     # (float32 or bfloat16 scales) is subnormal and flushed to zero: every code would be 0.
-    # Both operands are scaled by an exact power of two there (by 1, exactly, elsewhere).
+    # All operands are scaled by an exact power of two there (by 1, exactly, elsewhere), which
+    # also keeps x - minimum finite for a group spanning the float32 range.
     r = jnp.where(sf > 2.0**64, 2.0**-64, 1.0)
     safe = jnp.where(sf > 0, sf * r, 1.0)
     # a NaN scale fails sf > 0: a non-finite group's codes are 0, never a cast of NaN
-    q = jnp.where(sf > 0, jnp.round((xf - mn.astype(jnp.float32)) * r / safe), 0.0)
+    q = jnp.where(sf > 0, jnp.round((xf * r - mnf * r) / safe), 0.0)
     return jnp.clip(q, 0, qmax).astype(jnp.uint8), scale, mn
 
 
@@ -99,7 +105,13 @@ def dequantize_codes(codes: Array, scale: Array, minimum: Array, dtype=jnp.float
     group's max (the scale is rounded up), which for a float16 group reaching 65504 would
     otherwise round to Inf. NaN (a non-finite group's) stays NaN.
     """
-    out = codes.astype(jnp.float32) * scale.astype(jnp.float32) + minimum.astype(jnp.float32)
+    s, z = scale.astype(jnp.float32), minimum.astype(jnp.float32)
+    # codes * scale alone overflows float32 for a group spanning most of its range (3 * 2e38)
+    # unless the backend fuses the multiply-add (XLA's CPU backend does, its GPU backend does
+    # not): such groups are computed at a quarter, exactly, and scaled back (by 1 elsewhere).
+    big_scale = jnp.abs(s) > 2.0**100
+    r, back = jnp.where(big_scale, 0.25, 1.0), jnp.where(big_scale, 4.0, 1.0)
+    out = (codes.astype(jnp.float32) * (s * r) + z * r) * back
     big = float(jnp.finfo(dtype).max)
     out = jnp.where(jnp.abs(out) > big, jnp.copysign(big, out), out)
     return out.astype(dtype)
