@@ -93,9 +93,10 @@ def generate(
         checks.fail(f"--model {model} has no tokenizer (tokenizer.json)")
     params = gen.decode_layout(params)  # rebinding frees the stacked weights on GPUs
     load_s = time.perf_counter() - t0
-    with checks.user_errors():  # no chat template, or one we cannot render
+    # no chat template or one we cannot render; a character the vocabulary cannot encode
+    with checks.user_errors():
         text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
-    ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
+        ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
     cfg_kw = dict(group_size=group_size, residual_length=residual_length)
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
     if not json_out:

@@ -48,6 +48,7 @@ class Tokenizer:
         stops |= {vocab[n] for n in _STOP_NAMES if n in vocab}
         self.eos_ids: tuple[int, ...] = tuple(sorted(stops))
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._lost_bytes = _bytes_without_token(tok)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -150,7 +151,10 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are matched whole.
 
-        add_bos: prepend BOS (default: what the model's metadata asks for)."""
+        add_bos: prepend BOS (default: what the model's metadata asks for). Raises ValueError for
+        a character with a byte that the vocabulary has no token for (_bytes_without_token)."""
+        if self._lost_bytes is not None:
+            _check_no_lost_bytes(text, self._lost_bytes)
         ids = self.tok.encode(text, add_special_tokens=False).ids
         add = self.add_bos if add_bos is None else add_bos
         if add and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
@@ -193,6 +197,38 @@ class Tokenizer:
 
     def _tok_str(self, i: int | None) -> str:
         return "" if i is None else (self.tok.id_to_token(i) or "")
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table, in which byte-level vocabularies spell their tokens."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(0x100 + i) for i, b in enumerate(rest)}}
+
+
+def _bytes_without_token(tok: tokenizers.Tokenizer) -> re.Pattern | None:
+    """A pattern over UTF-8 for the bytes a byte-level vocabulary has no token for, or None.
+
+    The BPE drops such a byte without a trace (no unk token, no byte fallback; llama.cpp skips
+    it too). SmolLM2 has no token for 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and the lead bytes
+    0xF1, 0xF2 (U+40000..U+BFFFF), besides bytes UTF-8 never uses: rather than lose such text
+    silently, encode() refuses it."""
+    if not isinstance(tok.decoder, decoders.ByteLevel):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=False)
+    lost = bytes(b for b, c in _gpt2_byte_chars().items() if c not in vocab)
+    return re.compile(b"[" + re.escape(lost) + b"]") if lost else None
+
+
+def _check_no_lost_bytes(text: str, lost: re.Pattern) -> None:
+    data = text.encode("utf-8")
+    if m := lost.search(data):
+        at = len(data[: m.start()].decode("utf-8", errors="ignore"))
+        raise ValueError(
+            f"text[{at}] = {text[at]!r} (U+{ord(text[at]):04X}) cannot be tokenized: the "
+            f"vocabulary has no token for its byte 0x{m.group()[0]:02X}, which the BPE would drop "
+            "without a trace; remove or replace the character"
+        )
 
 
 def _render_known_template(template: str, messages, add_generation_prompt: bool, bos: str) -> str:

@@ -26,7 +26,7 @@ from test_loaders import TINY, write_tiny_gguf
 from typer.testing import CliRunner
 
 from kivi_jax.attention import pallas_available
-from models import gguf_loader, hf_loader, llama, loader
+from models import gguf_loader, hf_loader, llama, loader, tokenizer
 from models.cli import app
 
 FIX = Path(__file__).parent / "fixtures"
@@ -575,6 +575,18 @@ def add_word_tokenizer(d: Path, words: int) -> Path:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(d / "tokenizer.json"))
     return d
+
+
+def test_cli_prompt_the_vocabulary_cannot_encode(tiny_gguf_file, cache_env, monkeypatch):
+    """Tokenizer.encode's refusal (a byte with no token: tests/test_tokenizer_parity.py) is
+    a user's error like any other: one line, status 2."""
+
+    def refuse(self, text, add_bos=None):
+        raise ValueError("text[2] = '\\x1d' (U+001D) cannot be tokenized")
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", refuse)
+    res = cli(["generate", "-p", "hi\x1d", "--model", str(tiny_gguf_file), *TINY_ARGS])
+    assert_cli_error(res, "U+001D", "cannot be tokenized")
 
 
 def test_cli_bad_models(tmp_path, tiny_gguf_file, cache_env):
