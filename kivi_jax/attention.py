@@ -8,9 +8,13 @@ implementation:
                Agrees with "reference" to float32 rounding.
   "pallas"     the fused Mosaic GPU kernel (Hopper); raises NotImplementedError where it does
                not apply. `interpret=True` runs it under the GPU interpreter on any backend.
+  "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
+               implementation="cudnn"); raises NotImplementedError where it does not apply
+               (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
   "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else
-               "reference". On a dense cache: K/V read in the cache dtype with float32
-               accumulation ("reference" converts them to float32 first).
+               "reference". On a dense cache: "cudnn" on a GPU for a 16-bit cache, else XLA
+               attention reading K/V in the cache dtype with float32 accumulation ("reference"
+               converts them to float32 first). `dense_path` names the one that applies.
   "pallas-lowp", "auto-lowp"
                the same with the kernel's opt-in low-precision value product where it applies
                (G = D: values on fp8 tensor cores, `TuningConfig.fp8_values`; keys stay exact):
@@ -30,7 +34,7 @@ from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials as _merge
 
-IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp")
+IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp", "cudnn")
 
 
 def _check_query(q: Array, cache) -> None:
@@ -97,14 +101,62 @@ def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Arra
     """Dense attention over `layer`, K/V in `dtype` (default: the cache's, read directly).
 
     "reference" passes float32; "auto" reads the cache dtype: converting the layer's K and V
-    to float32 first is a copy as large as the layer's cache (at 32k context and 27 rows of
-    Llama-3-8B, 54 GiB of temporaries in the unrolled decode loop).
+    to float32 first is a temporary twice the layer's size (and as much traffic again).
     """
     k, v = cache.k[layer], cache.v[layer]
     if dtype is not None:
         k, v = k.astype(dtype), v.astype(dtype)
     n = jnp.minimum(cache.lengths, cache.max_len)
     return _softmax_attend(qg, k, v, jnp.arange(cache.max_len)[None, :] < n[:, None])
+
+
+def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
+    """cuDNN's fused attention over `layer` -> float32 [B, Hq, D]; rows holding no token give 0.
+
+    Raises NotImplementedError where cuDNN declines at trace time (no GPU or cuDNN, a float32
+    cache, a head dim or GQA ratio it rejects), so that "auto" can fall back to XLA.
+    """
+    if cache.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"cuDNN attention needs a 16-bit cache, got {cache.dtype}")
+    # cuDNN reads [B, T, Hkv, D]. A layer of the stacked [L, B, Hkv, T, D] cache is copied by
+    # XLA before any custom call reads it (a slice is no buffer of its own); the transpose fuses
+    # into that same copy, so it costs no more than the slice alone.
+    k, v = (x[layer].swapaxes(1, 2) for x in (cache.k, cache.v))
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    try:
+        o = jax.nn.dot_product_attention(
+            q[:, None].astype(cache.dtype),
+            k,
+            v,
+            scale=scale,
+            key_value_seq_lengths=n,
+            implementation="cudnn",
+        )
+    except Exception as e:  # noqa: BLE001 - cuDNN's own checks raise several kinds
+        raise NotImplementedError(f"cuDNN attention does not apply: {e}") from e
+    # An empty row has no key to normalize over: the convention is o = 0, whatever cuDNN gives.
+    return jnp.where((n > 0)[:, None, None], o[:, 0].astype(jnp.float32), 0.0)
+
+
+def dense_path(q: Array, cache: DenseCache) -> str:
+    """The path "auto" takes on a dense cache: "cudnn" (GPU, 16-bit q and cache) or "xla"; where
+    cuDNN declines the shapes at trace time "auto" still falls back to "xla"."""
+    gpu = jax.default_backend() == "gpu"
+    sixteen = (jnp.bfloat16, jnp.float16)
+    return "cudnn" if gpu and cache.dtype in sixteen and q.dtype in sixteen else "xla"
+
+
+def _dense(q, qg, cache: DenseCache, layer, impl: str, scale: float) -> Array:
+    if impl == "pallas":
+        raise NotImplementedError("the Pallas kernel reads quantized caches only")
+    if impl == "cudnn":
+        return _dense_cudnn(q, cache, layer, scale)
+    if impl == "auto" and dense_path(q, cache) == "cudnn":
+        try:  # tokamax-style: cuDNN declining at trace time falls back to XLA
+            return _dense_cudnn(q, cache, layer, scale)
+        except NotImplementedError:
+            pass
+    return _dense_attend(qg, cache, layer, None if impl == "auto" else jnp.float32)[0]
 
 
 def _kivi_reference(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
@@ -273,8 +325,8 @@ def decode_attention(
     for the Pallas kernel (launch parameters and opt-in flags such as fp8_values; default: its
     heuristic; the "-lowp" implementations turn its fp8_values on). Raises
     ValueError for bad shapes, an unknown implementation, a scale that is not a finite positive
-    number, or a concrete layer outside [0, L); NotImplementedError where "pallas" does not
-    apply. A traced layer outside [0, L) gives NaN (and a checkify check,
+    number, or a concrete layer outside [0, L); NotImplementedError where "pallas" or "cudnn"
+    does not apply. A traced layer outside [0, L) gives NaN (and a checkify check,
     `kivi_jax.cache.check_layer`); a non-finite key or value gives NaN in the rows and heads
     that attend to it (docs/what_happens_when.md).
     """
@@ -289,9 +341,9 @@ def decode_attention(
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
     if isinstance(cache, DenseCache):
-        if impl == "pallas":
-            raise NotImplementedError("the Pallas kernel reads quantized caches only")
-        o, _ = _dense_attend(qg, cache, layer, None if impl == "auto" else jnp.float32)
+        o = _dense(q, qg, cache, layer, impl, scale)
+    elif impl == "cudnn":
+        raise NotImplementedError("cuDNN attention reads dense caches only")
     elif impl == "reference":
         o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "folded":
