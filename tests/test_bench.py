@@ -235,3 +235,30 @@ def test_generate_tiny_runs_and_writes_its_json(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in res["points"]), res["points"]
     saved = json.loads((tmp_path / "generate_bench.json").read_text())
     assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
+
+
+def test_step_profile_tiny_runs_and_writes_its_json(tmp_path):
+    from bench import step_profile
+
+    rows = step_profile.main(["--tiny", "--points", "1x64", "--steps", "2", "--out", str(tmp_path)])
+    assert [r["cache"] for r in rows] == ["fp16", "kivi2"]
+    assert all(r["wall_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    saved = json.loads((tmp_path / "step_profile.json").read_text())
+    assert "bench.step_profile" in saved["env"]["command"] and len(saved["points"]) == 2
+
+
+def test_step_profile_sorts_kernels_by_kind():
+    from bench import step_profile
+
+    events = [
+        dict(name="kivi_decode_sm90_mosaic_gpu_kernel", dur=30.0),
+        dict(name="gemm_fusion_dot_12", dur=100.0),
+        dict(name="gemm_fusion_dot_12", dur=100.0),
+        dict(name="input_reduce_fusion_3", dur=10.0),
+        dict(name="loop_add_fusion", dur=4.0),
+    ]
+    s = step_profile.summarize(events, steps=2)
+    assert s["busy_ms"] == round(244 / 1e3 / 2, 4) and s["kernels"] == 2.5
+    assert s["kinds"]["gemm"] == dict(ms=0.1, launches=1.0)
+    assert set(s["kinds"]) == {"gemm", "kivi kernel", "reduction fusion", "other fusion"}
+    assert next(iter(s["top"])) == "gemm_fusion_dot_12"
