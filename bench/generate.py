@@ -9,6 +9,8 @@ tokens (contents left zero: decode cost does not depend on the values), then the
 generation loop (`models.generate.decode_loop_jit`: while_loop over decode_step + greedy
 sampling, cache donated) runs `steps` decode steps. A first call with the same shapes compiles
 (its time is reported separately); the second is timed. tokens/s = batch * steps / seconds.
+The dense cache attends through --dense-impl; each fp16 record names the path that ran
+(`dense_path`: "cudnn" or "xla"; "auto" takes cuDNN on a GPU for a 16-bit cache).
 
 Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
 weights, then checked by allocating that cache and running decode steps (half the batch
@@ -69,6 +71,14 @@ def filled_cache(name, config, batch, context, steps, dtype, residual_length, gr
         name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
     )
     return dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def dense_path_of(impl: str, dtype) -> str:
+    """The dense attention path `impl` takes for a `dtype` model and cache."""
+    if impl != "auto":
+        return impl
+    x = jax.ShapeDtypeStruct((), dtype)
+    return kivi_jax.attention.dense_path(x, x)  # reads only the dtypes
 
 
 def run_loop(params, config, cache, steps, impl, max_new):
@@ -160,7 +170,8 @@ def main(argv=None):
     ap.add_argument(
         "--dense-impl",
         default="auto",
-        help="decode attention of the fp16 cache (reference: float32 copies of K/V)",
+        help="decode attention of the fp16 cache: auto (cudnn on a GPU, else xla), cudnn, xla, "
+        "reference (float32 copies of K/V)",
     )
     ap.add_argument(
         "--stacked",
@@ -217,6 +228,8 @@ def main(argv=None):
                     rec = dict(
                         model=config.name, batch=batch, context=context, cache=cache, impl=impl
                     )
+                    if cache == "fp16":
+                        rec["dense_path"] = dense_path_of(impl, dtype)
                     try:
                         comp, secs, tps, nbytes = measure(
                             params,

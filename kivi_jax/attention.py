@@ -8,13 +8,15 @@ implementation:
                Agrees with "reference" to float32 rounding.
   "pallas"     the fused Mosaic GPU kernel (Hopper); raises NotImplementedError where it does
                not apply. `interpret=True` runs it under the GPU interpreter on any backend.
+  "xla"        dense caches only: XLA attention reading K/V in the cache dtype with float32
+               accumulation (multiply-and-reduce; reads each layer of the cache in place).
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
                implementation="cudnn"); raises NotImplementedError where it does not apply
                (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
   "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else
-               "reference". On a dense cache: "cudnn" on a GPU for a 16-bit cache, else XLA
-               attention reading K/V in the cache dtype with float32 accumulation ("reference"
-               converts them to float32 first). `dense_path` names the one that applies.
+               "reference". On a dense cache: "cudnn" on a GPU for a 16-bit cache, else (or
+               where cuDNN declines) "xla" ("reference" converts K/V to float32 first).
+               `dense_path` names the one that applies.
   "pallas-lowp", "auto-lowp"
                the same with the kernel's opt-in low-precision value product where it applies
                (G = D: values on fp8 tensor cores, `TuningConfig.fp8_values`; keys stay exact):
@@ -34,7 +36,16 @@ from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials as _merge
 
-IMPLEMENTATIONS = ("auto", "reference", "folded", "pallas", "auto-lowp", "pallas-lowp", "cudnn")
+IMPLEMENTATIONS = (
+    "auto",
+    "reference",
+    "folded",
+    "pallas",
+    "auto-lowp",
+    "pallas-lowp",
+    "xla",
+    "cudnn",
+)
 
 
 def _check_query(q: Array, cache) -> None:
@@ -103,11 +114,21 @@ def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Arra
     "reference" passes float32; "auto" reads the cache dtype: converting the layer's K and V
     to float32 first is a temporary twice the layer's size (and as much traffic again).
     """
-    k, v = cache.k[layer], cache.v[layer]
+    k, v = cache.k_seq[layer], cache.v_seq[layer]  # [B, T, Hkv, D]
     if dtype is not None:
         k, v = k.astype(dtype), v.astype(dtype)
     n = jnp.minimum(cache.lengths, cache.max_len)
-    return _softmax_attend(qg, k, v, jnp.arange(cache.max_len)[None, :] < n[:, None])
+    mask = (jnp.arange(cache.max_len)[None, :] < n[:, None])[:, None, None, :]
+    # Products as multiply-and-reduce, not dot_general: a GPU gemm wants the heads major to T,
+    # and XLA met that by carrying the whole cache transposed through the decode loop (a copy
+    # of it); a reduction reads the layer in place, its slice of the stacked cache included.
+    f32 = lambda x: x.astype(k.dtype).astype(jnp.float32)
+    s = jnp.sum(f32(qg)[:, None] * f32(k)[:, :, :, None], axis=-1)  # [B, T, H, r]
+    s = _mask_logits(s.transpose(0, 2, 3, 1), mask)
+    pv = lambda p: jnp.sum(
+        f32(p).transpose(0, 3, 1, 2)[..., None] * f32(v)[:, :, :, None], axis=1
+    )  # [B, H, r, D]
+    return _normalize(s, pv)
 
 
 def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
@@ -118,10 +139,8 @@ def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
     """
     if cache.dtype not in (jnp.bfloat16, jnp.float16):
         raise NotImplementedError(f"cuDNN attention needs a 16-bit cache, got {cache.dtype}")
-    # cuDNN reads [B, T, Hkv, D]. A layer of the stacked [L, B, Hkv, T, D] cache is copied by
-    # XLA before any custom call reads it (a slice is no buffer of its own); the transpose fuses
-    # into that same copy, so it costs no more than the slice alone.
-    k, v = (x[layer].swapaxes(1, 2) for x in (cache.k, cache.v))
+    # [B, T, Hkv, D], the cache's own layout: no transpose of the layer, nor of the cache.
+    k, v = cache.k_seq[layer], cache.v_seq[layer]
     n = jnp.minimum(cache.lengths, cache.max_len)
     try:
         o = jax.nn.dot_product_attention(
@@ -156,7 +175,7 @@ def _dense(q, qg, cache: DenseCache, layer, impl: str, scale: float) -> Array:
             return _dense_cudnn(q, cache, layer, scale)
         except NotImplementedError:
             pass
-    return _dense_attend(qg, cache, layer, None if impl == "auto" else jnp.float32)[0]
+    return _dense_attend(qg, cache, layer, None if impl in ("auto", "xla") else jnp.float32)[0]
 
 
 def _kivi_reference(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
@@ -326,9 +345,9 @@ def decode_attention(
     heuristic; the "-lowp" implementations turn its fp8_values on). Raises
     ValueError for bad shapes, an unknown implementation, a scale that is not a finite positive
     number, or a concrete layer outside [0, L); NotImplementedError where "pallas" or "cudnn"
-    does not apply. A traced layer outside [0, L) gives NaN (and a checkify check,
-    `kivi_jax.cache.check_layer`); a non-finite key or value gives NaN in the rows and heads
-    that attend to it (docs/what_happens_when.md).
+    does not apply ("xla" and "cudnn" on a KIVI cache included). A traced layer outside
+    [0, L) gives NaN (and a checkify check, `kivi_jax.cache.check_layer`); a non-finite key or
+    value gives NaN in the rows and heads that attend to it (docs/what_happens_when.md).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -342,8 +361,8 @@ def decode_attention(
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
     if isinstance(cache, DenseCache):
         o = _dense(q, qg, cache, layer, impl, scale)
-    elif impl == "cudnn":
-        raise NotImplementedError("cuDNN attention reads dense caches only")
+    elif impl in ("xla", "cudnn"):
+        raise NotImplementedError(f"{impl!r} attention reads dense caches only")
     elif impl == "reference":
         o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "folded":

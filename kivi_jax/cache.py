@@ -703,10 +703,16 @@ class KiviCache(_CacheOps):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseCache(_CacheOps):
-    """Full-precision KV cache behind the same interface: the baseline for every comparison."""
+    """Full-precision KV cache behind the same interface: the baseline for every comparison.
 
-    k: Array  # [L, B, Hkv, T, D]
-    v: Array  # [L, B, Hkv, T, D]
+    Tokens before heads, the layout cuDNN's attention reads: with layers held as [B, Hkv, T, D],
+    XLA met cuDNN's layout by carrying the whole cache transposed through the decode loop (a
+    copy of it on entry and on exit). `k` and `v` give the [L, B, Hkv, T, D] view of the
+    other caches (a transposed copy: for inspection, never the decode path).
+    """
+
+    k_seq: Array  # [L, B, T, Hkv, D]
+    v_seq: Array  # [L, B, T, Hkv, D]
     lengths: Array  # [B] int32
     max_len: int = dataclasses.field(metadata=static)
 
@@ -721,7 +727,7 @@ class DenseCache(_CacheOps):
         dtype=jnp.bfloat16,
     ) -> DenseCache:
         _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype)
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        shape = (num_layers, batch, max_len, kv_heads, head_dim)
         return DenseCache(
             jnp.zeros(shape, dtype),
             jnp.zeros(shape, dtype),
@@ -729,11 +735,13 @@ class DenseCache(_CacheOps):
             int(max_len),
         )
 
-    num_layers = property(lambda self: self.k.shape[0])
-    batch = property(lambda self: self.k.shape[1])
-    kv_heads = property(lambda self: self.k.shape[2])
-    head_dim = property(lambda self: self.k.shape[4])
-    dtype = property(lambda self: self.k.dtype)
+    num_layers = property(lambda self: self.k_seq.shape[0])
+    batch = property(lambda self: self.k_seq.shape[1])
+    kv_heads = property(lambda self: self.k_seq.shape[3])
+    head_dim = property(lambda self: self.k_seq.shape[4])
+    dtype = property(lambda self: self.k_seq.dtype)
+    k = property(lambda self: self.k_seq.swapaxes(2, 3))  # [L, B, Hkv, T, D]
+    v = property(lambda self: self.v_seq.swapaxes(2, 3))  # [L, B, Hkv, T, D]
 
     def prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
         """Replace the contents with prompts k, v [L, B, Hkv, S, D] of `lengths` [B] tokens."""
@@ -743,23 +751,27 @@ class DenseCache(_CacheOps):
         s = k.shape[3]
         keep = (jnp.arange(s)[None, :] < lengths[:, None])[None, :, None, :, None]
         put = lambda buf, x: (
-            jnp.zeros_like(buf).at[:, :, :, :s].set(jnp.where(keep, x, 0).astype(buf.dtype))
+            jnp.zeros_like(buf)
+            .at[:, :, :s]
+            .set(jnp.where(keep, x, 0).swapaxes(2, 3).astype(buf.dtype))
         )
-        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v), lengths=recorded)
+        return dataclasses.replace(
+            self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v), lengths=recorded
+        )
 
     def write(self, layer, k: Array, v: Array) -> DenseCache:
         layer, pos, valid = self._check_token(layer, k, v)
         b = jnp.arange(self.batch)
         pos = jnp.where(valid, pos, self.max_len)
-        put = lambda buf, x: buf.at[layer, b, :, pos].set(x.astype(buf.dtype), mode="drop")
-        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+        put = lambda buf, x: buf.at[layer, b, pos].set(x.astype(buf.dtype), mode="drop")
+        return dataclasses.replace(self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v))
 
     def nbytes(self) -> CacheBytes:
-        return CacheBytes(0, 0, self.k.nbytes + self.v.nbytes, self.lengths.nbytes)
+        return CacheBytes(0, 0, self.k_seq.nbytes + self.v_seq.nbytes, self.lengths.nbytes)
 
     def logical_axes(self) -> DenseCache:
-        spec = jax.P("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-        return dataclasses.replace(self, k=spec, v=spec, lengths=jax.P("batch"))
+        spec = jax.P("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        return dataclasses.replace(self, k_seq=spec, v_seq=spec, lengths=jax.P("batch"))
 
 
 # Jitted once per shape so that eager callers (notebooks, tests) do not dispatch op by op.

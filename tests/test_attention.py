@@ -134,6 +134,67 @@ def test_dense_auto_reads_the_cache_dtype():
     assert float(jnp.abs(auto - ref).max()) > 0  # bf16: a different computation, not a copy
 
 
+def _dense_case(dtype, lengths=(96, 41, 0, 1)):
+    q, k, v = _inputs(13, len(lengths), 2, 8, 96)
+    c = kj.make_cache(
+        "fp16", num_layers=L, batch=len(lengths), kv_heads=2, head_dim=D, max_len=128, dtype=dtype
+    ).prefill(k.astype(dtype), v.astype(dtype), jnp.array(lengths, jnp.int32))
+    return q.astype(dtype), c
+
+
+def test_dense_cache_stores_tokens_before_heads_and_views_the_old_layout():
+    """[L, B, T, Hkv, D] storage (what cuDNN reads); `k`/`v` give the [L, B, Hkv, T, D] view."""
+    _, k, v = _inputs(3, 2, 2, 8, 40)
+    c = kj.DenseCache.init(num_layers=L, batch=2, kv_heads=2, head_dim=D, max_len=64)
+    c = c.prefill(k, v, jnp.array([40, 7], jnp.int32))
+    assert c.k_seq.shape == (L, 2, 64, 2, D) and c.k.shape == (L, 2, 2, 64, D)
+    np.testing.assert_array_equal(c.v[:, 0, :, :40], v[:, 0].astype(jnp.bfloat16))
+    assert float(jnp.abs(c.k[:, 1, :, 7:]).max()) == 0.0
+    tok = jax.random.normal(jax.random.key(4), (2, 2, D))
+    c = c.advance().write(1, tok, 2 * tok)
+    np.testing.assert_array_equal(c.k_seq[1, 1, 7], tok[1].astype(jnp.bfloat16))
+    np.testing.assert_array_equal(c.v[1, 0, :, 40], (2 * tok[0]).astype(jnp.bfloat16))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may apply on a GPU")
+def test_dense_cudnn_declines_without_a_gpu_and_auto_falls_back_to_xla():
+    q, c = _dense_case(jnp.bfloat16)
+    assert kj.attention.dense_path(q, c) == "xla"
+    with pytest.raises(NotImplementedError, match="cuDNN"):
+        attend(q, c, 1, implementation="cudnn")
+    ref = attend(q, c, 1, implementation="reference")
+    np.testing.assert_allclose(
+        np.asarray(attend(q, c, 1), np.float32), np.asarray(ref, np.float32), atol=3e-2
+    )
+    np.testing.assert_array_equal(attend(q, c, 1), attend(q, c, 1, implementation="xla"))
+
+
+def test_dense_cudnn_declines_a_float32_cache_and_quantized_caches():
+    q, c = _dense_case(jnp.float32)
+    assert kj.attention.dense_path(q, c) == "xla"
+    with pytest.raises(NotImplementedError, match="16-bit cache"):
+        attend(q, c, 1, implementation="cudnn")
+    kc = kj.make_cache("kivi2", num_layers=L, batch=2, kv_heads=2, head_dim=D, max_len=64)
+    for impl in ("cudnn", "xla"):
+        with pytest.raises(NotImplementedError, match="dense caches only"):
+            attend(q[:2], kc, 1, implementation=impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU with cuDNN")
+def test_dense_cudnn_matches_the_reference_on_ragged_rows():
+    """cuDNN against the float32 reference on rows of 96, 41, 0 and 1 tokens: the empty row
+    gives 0 (our convention, whatever cuDNN does with a zero length), "auto" takes cuDNN."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        q, c = _dense_case(dtype)
+        assert kj.attention.dense_path(q, c) == "cudnn"
+        ref = np.asarray(attend(q, c, 1, implementation="reference"), np.float32)
+        for impl in ("cudnn", "auto"):
+            got = np.asarray(attend(q, c, 1, implementation=impl), np.float32)
+            np.testing.assert_allclose(got, ref, atol=3e-2)
+            assert np.abs(got[2]).max() == 0.0
+
+
 def test_quantized_attention_error_is_bounded_and_shrinks_with_bits():
     # Stated bound, measured (2026-11-29) on Gaussian q/k/v with one 8x outlier key channel,
     # D=64, 2000 tokens, R=0 so that everything but an incomplete key group is quantized: the
