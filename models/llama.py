@@ -375,35 +375,18 @@ def decode_step(
     x = _embed(params, tokens, dtype)  # [B, d]
     B = x.shape[0]
 
-    def layer(carry, xs):
-        x, cache = carry
-        lp, l = xs["params"], xs["index"]
+    def layer(carry, lp):
+        x, cache, l = carry
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
         q, k, v = _qkv(lp, h, c, positions)  # [B, H, D]
         cache = cache.write(l, k.astype(cache.dtype), v.astype(cache.dtype))
         o = decode_attention(q, cache, l, implementation=implementation)
         x = x + _dense(o.reshape(B, -1), lp["wo"]).astype(dtype)
         x = _mlp(lp, x, c)
-        return (x, cache), None
+        return (x, cache, l + 1), None
 
-    (x, cache), _ = _run_layers(layer, (x, cache), _indexed_layers(params["layers"]))
+    (x, cache, _), _ = _run_layers(layer, (x, cache, jnp.int32(0)), params["layers"])
     return _logits(params, x, config), cache
-
-
-def _indexed_layers(layers):
-    """Each layer's params with its index as a runtime int32 ({"params", "index"}; stacked for
-    the scan, a list for the unrolled loop).
-
-    Unrolled, a constant index would differ in every layer's fusions (the cache's write and
-    the attention read layer i of the stacked cache), so XLA compiled each layer's kernels
-    anew; as a value it cannot fold, the layers' fusions are identical and compiled once. The
-    barrier over constants costs no kernel: its outputs are the constants' own buffers.
-    """
-    if not isinstance(layers, tuple | list):
-        n = jax.tree.leaves(layers)[0].shape[0]
-        return {"params": layers, "index": jnp.arange(n, dtype=jnp.int32)}
-    ids = jax.lax.optimization_barrier(tuple(jnp.int32(i) for i in range(len(layers))))
-    return [{"params": lp, "index": i} for lp, i in zip(layers, ids, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------
