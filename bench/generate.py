@@ -64,9 +64,13 @@ def free_bytes() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-def filled_cache(name, config, batch, context, steps, dtype, residual_length, group_size):
-    """A cache with capacity context + steps whose rows hold `context` (zero) tokens."""
-    kw = {} if name == "fp16" else dict(group_size=group_size)
+def filled_cache(
+    name, config, batch, context, steps, dtype, residual_length, group_size, per_layer=False
+):
+    """A cache with capacity context + steps whose rows hold `context` (zero) tokens
+    (`per_layer`: a dense cache with a buffer per layer, as `generate` makes for per-layer
+    weights)."""
+    kw = dict(per_layer=per_layer) if name == "fp16" else dict(group_size=group_size)
     c = G.new_cache(
         name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
     )
@@ -105,11 +109,31 @@ def measure(
 ):
     """(compile+first-run seconds, timed seconds, tokens/s, cache bytes)."""
     t0 = time.perf_counter()
-    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length, group_size)
+    c = filled_cache(
+        cache_name,
+        config,
+        batch,
+        context,
+        steps,
+        dtype,
+        residual_length,
+        group_size,
+        llama.is_unstacked(params),
+    )
     nbytes = c.nbytes().total
     run_loop(params, config, c, steps, impl, max_new=2)  # compiles; max_new is traced
     t1 = time.perf_counter()
-    c = filled_cache(cache_name, config, batch, context, steps, dtype, residual_length, group_size)
+    c = filled_cache(
+        cache_name,
+        config,
+        batch,
+        context,
+        steps,
+        dtype,
+        residual_length,
+        group_size,
+        llama.is_unstacked(params),
+    )
     jax.block_until_ready(c)
     t2 = time.perf_counter()
     state = run_loop(params, config, c, steps, impl, max_new=steps + 1)

@@ -101,7 +101,15 @@ def summarize(kernels: list[dict], steps: int, top: int = 10) -> dict:
 
 def profile_point(params, config, cache_name, batch, context, steps, impl, group_size) -> dict:
     fill = lambda: bg.filled_cache(
-        cache_name, config, batch, context, steps, params_dtype(params), 128, group_size
+        cache_name,
+        config,
+        batch,
+        context,
+        steps,
+        params_dtype(params),
+        128,
+        group_size,
+        llama.is_unstacked(params),
     )
     bg.run_loop(params, config, fill(), steps, impl, max_new=2)  # compiles
     cache = fill()

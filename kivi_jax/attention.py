@@ -114,7 +114,7 @@ def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Arra
     "reference" passes float32; "auto" reads the cache dtype: converting the layer's K and V
     to float32 first is a temporary twice the layer's size (and as much traffic again).
     """
-    k, v = cache.k_seq[layer], cache.v_seq[layer]  # [B, T, Hkv, D]
+    k, v = cache.layer_kv(layer)  # [B, T, Hkv, D]
     if dtype is not None:
         k, v = k.astype(dtype), v.astype(dtype)
     n = jnp.minimum(cache.lengths, cache.max_len)
@@ -140,7 +140,7 @@ def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
     if cache.dtype not in (jnp.bfloat16, jnp.float16):
         raise NotImplementedError(f"cuDNN attention needs a 16-bit cache, got {cache.dtype}")
     # [B, T, Hkv, D], the cache's own layout: no transpose of the layer, nor of the cache.
-    k, v = cache.k_seq[layer], cache.v_seq[layer]
+    k, v = cache.layer_kv(layer)
     n = jnp.minimum(cache.lengths, cache.max_len)
     try:
         o = jax.nn.dot_product_attention(

@@ -708,11 +708,17 @@ class DenseCache(_CacheOps):
     Tokens before heads, the layout cuDNN's attention reads: with layers held as [B, Hkv, T, D],
     XLA met cuDNN's layout by carrying the whole cache transposed through the decode loop (a
     copy of it on entry and on exit). `k` and `v` give the [L, B, Hkv, T, D] view of the
-    other caches (a transposed copy: for inspection, never the decode path).
+    other caches (a copy: for inspection, never the decode path).
+
+    Stacked ([L, ...] arrays) or per layer (tuples of L arrays, `init(per_layer=True)`): a
+    layer of a stacked array is a slice, which XLA copies before a custom call (cuDNN) reads
+    it, every layer of every step; a per-layer buffer is read where it lies. Per layer, the
+    layer index must be concrete (a Python int: an unrolled loop over layers); stacked, it may
+    be traced (a scan over layers).
     """
 
-    k_seq: Array  # [L, B, T, Hkv, D]
-    v_seq: Array  # [L, B, T, Hkv, D]
+    k_seq: Array | tuple[Array, ...]  # [L, B, T, Hkv, D], or per layer L x [B, T, Hkv, D]
+    v_seq: Array | tuple[Array, ...]  # same as k_seq
     lengths: Array  # [B] int32
     max_len: int = dataclasses.field(metadata=static)
 
@@ -725,23 +731,45 @@ class DenseCache(_CacheOps):
         head_dim: int,
         max_len: int,
         dtype=jnp.bfloat16,
+        per_layer: bool = False,
     ) -> DenseCache:
         _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype)
-        shape = (num_layers, batch, max_len, kv_heads, head_dim)
-        return DenseCache(
-            jnp.zeros(shape, dtype),
-            jnp.zeros(shape, dtype),
-            jnp.zeros((batch,), jnp.int32),
-            int(max_len),
-        )
+        shape = (batch, max_len, kv_heads, head_dim)
+        if per_layer:
+            make = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        else:
+            make = lambda: jnp.zeros((num_layers, *shape), dtype)
+        return DenseCache(make(), make(), jnp.zeros((batch,), jnp.int32), int(max_len))
 
-    num_layers = property(lambda self: self.k_seq.shape[0])
-    batch = property(lambda self: self.k_seq.shape[1])
-    kv_heads = property(lambda self: self.k_seq.shape[3])
-    head_dim = property(lambda self: self.k_seq.shape[4])
-    dtype = property(lambda self: self.k_seq.dtype)
-    k = property(lambda self: self.k_seq.swapaxes(2, 3))  # [L, B, Hkv, T, D]
-    v = property(lambda self: self.v_seq.swapaxes(2, 3))  # [L, B, Hkv, T, D]
+    per_layer = property(lambda self: isinstance(self.k_seq, tuple | list))
+    num_layers = property(lambda self: len(self.k_seq) if self.per_layer else self.k_seq.shape[0])
+    _layer_shape = property(
+        lambda self: self.k_seq[0].shape if self.per_layer else self.k_seq.shape[1:]
+    )
+    batch = property(lambda self: self._layer_shape[0])
+    kv_heads = property(lambda self: self._layer_shape[2])
+    head_dim = property(lambda self: self._layer_shape[3])
+    dtype = property(lambda self: jax.tree.leaves(self.k_seq)[0].dtype)
+    k = property(lambda self: self._stacked(self.k_seq).swapaxes(2, 3))  # [L, B, Hkv, T, D]
+    v = property(lambda self: self._stacked(self.v_seq).swapaxes(2, 3))  # [L, B, Hkv, T, D]
+
+    def _stacked(self, x):
+        return jnp.stack(x) if self.per_layer else x
+
+    def layer_kv(self, layer) -> tuple[Array, Array]:
+        """K and V of one layer, [B, T, Hkv, D] each (`layer` already checked, `check_layer`)."""
+        if not self.per_layer:
+            return self.k_seq[layer], self.v_seq[layer]
+        i = self._static_layer(layer)
+        return self.k_seq[i], self.v_seq[i]
+
+    def _static_layer(self, layer) -> int:
+        if not _is_concrete(layer):
+            raise ValueError(
+                "a per-layer DenseCache needs a concrete layer index (an unrolled loop over "
+                "layers), got a traced one; use a stacked cache (per_layer=False) under a scan"
+            )
+        return int(layer)
 
     def prefill(self, k: Array, v: Array, lengths: Array) -> DenseCache:
         """Replace the contents with prompts k, v [L, B, Hkv, S, D] of `lengths` [B] tokens."""
@@ -750,11 +778,15 @@ class DenseCache(_CacheOps):
     def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> DenseCache:
         s = k.shape[3]
         keep = (jnp.arange(s)[None, :] < lengths[:, None])[None, :, None, :, None]
-        put = lambda buf, x: (
-            jnp.zeros_like(buf)
-            .at[:, :, :s]
-            .set(jnp.where(keep, x, 0).swapaxes(2, 3).astype(buf.dtype))
-        )
+
+        def put(buf, x):  # x [L, B, Hkv, S, D] -> buf's layout, zero past each row's length
+            x = jnp.where(keep, x, 0).swapaxes(2, 3)
+            if self.per_layer:
+                return tuple(
+                    jnp.zeros_like(b).at[:, :s].set(x[i].astype(b.dtype)) for i, b in enumerate(buf)
+                )
+            return jnp.zeros_like(buf).at[:, :, :s].set(x.astype(buf.dtype))
+
         return dataclasses.replace(
             self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v), lengths=recorded
         )
@@ -763,14 +795,26 @@ class DenseCache(_CacheOps):
         layer, pos, valid = self._check_token(layer, k, v)
         b = jnp.arange(self.batch)
         pos = jnp.where(valid, pos, self.max_len)
-        put = lambda buf, x: buf.at[layer, b, pos].set(x.astype(buf.dtype), mode="drop")
+        if self.per_layer:
+            i = self._static_layer(layer)
+            put = lambda bufs, x: tuple(
+                buf.at[b, pos].set(x.astype(buf.dtype), mode="drop") if j == i else buf
+                for j, buf in enumerate(bufs)
+            )
+        else:
+            put = lambda buf, x: buf.at[layer, b, pos].set(x.astype(buf.dtype), mode="drop")
         return dataclasses.replace(self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v))
 
     def nbytes(self) -> CacheBytes:
-        return CacheBytes(0, 0, self.k_seq.nbytes + self.v_seq.nbytes, self.lengths.nbytes)
+        size = lambda x: sum(a.nbytes for a in jax.tree.leaves(x))
+        return CacheBytes(0, 0, size(self.k_seq) + size(self.v_seq), self.lengths.nbytes)
 
     def logical_axes(self) -> DenseCache:
-        spec = jax.P("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        if self.per_layer:
+            layer = jax.P("batch", "cache_seq", "kv_heads", "head_dim")
+            spec = (layer,) * self.num_layers
+        else:
+            spec = jax.P("layers", "batch", "cache_seq", "kv_heads", "head_dim")
         return dataclasses.replace(self, k_seq=spec, v_seq=spec, lengths=jax.P("batch"))
 
 
@@ -818,8 +862,11 @@ def make_cache(
     dtype=jnp.bfloat16,
     group_size: int = 32,
     residual_length: int = 128,
+    per_layer: bool = False,
 ) -> KiviCache | DenseCache:
-    """An empty cache by name: "fp16" is the dense cache in `dtype`, the others KIVI variants."""
+    """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
+    layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
+    reads in place: `per_layer` does not apply to them)."""
     config = cache_config(name, group_size, residual_length)
     dims = dict(
         num_layers=num_layers,
@@ -830,5 +877,5 @@ def make_cache(
         dtype=dtype,
     )
     if config is None:
-        return DenseCache.init(**dims)
+        return DenseCache.init(**dims, per_layer=per_layer)
     return KiviCache.init(config, **dims)

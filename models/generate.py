@@ -250,6 +250,8 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 
 
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
+    """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
+    with one buffer per layer, for per-layer weights: `decode_layout`)."""
     return kivi_jax.make_cache(
         cache,
         num_layers=config.num_layers,
@@ -262,8 +264,9 @@ def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, 
     )
 
 
-def _cache_kw(group_size, residual_length):
-    kw = {}
+def _cache_kw(group_size, residual_length, params):
+    # per-layer weights decode in an unrolled loop: a dense cache there holds a buffer per layer
+    kw = {"per_layer": llama.is_unstacked(params)}
     if group_size is not None:
         kw["group_size"] = group_size
     if residual_length is not None:
@@ -321,7 +324,7 @@ def generate(
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     dtype = params["embed"].dtype
-    kw = _cache_kw(group_size, residual_length)
+    kw = _cache_kw(group_size, residual_length, params)
     c = new_cache(cache, config, B, max_len, dtype, **kw)
     dense16 = jax.eval_shape(lambda: new_cache("fp16", config, B, max_len, jnp.bfloat16))
     dense16_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense16))
@@ -392,7 +395,12 @@ def stream(
     check_token_ids([prompt], config)
     max_len = tokens.shape[1] + bucket(max_new_tokens)
     c = new_cache(
-        cache, config, 1, max_len, params["embed"].dtype, **_cache_kw(group_size, residual_length)
+        cache,
+        config,
+        1,
+        max_len,
+        params["embed"].dtype,
+        **_cache_kw(group_size, residual_length, params),
     )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     rng = jax.random.key(seed)

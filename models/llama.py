@@ -375,17 +375,27 @@ def decode_step(
     x = _embed(params, tokens, dtype)  # [B, d]
     B = x.shape[0]
 
-    def layer(carry, lp):
-        x, cache, l = carry
+    def layer(carry, xs):
+        x, cache = carry
+        lp, l = xs
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
         q, k, v = _qkv(lp, h, c, positions)  # [B, H, D]
         cache = cache.write(l, k.astype(cache.dtype), v.astype(cache.dtype))
         o = decode_attention(q, cache, l, implementation=implementation)
         x = x + _dense(o.reshape(B, -1), lp["wo"]).astype(dtype)
         x = _mlp(lp, x, c)
-        return (x, cache, l + 1), None
+        return (x, cache), None
 
-    (x, cache, _), _ = _run_layers(layer, (x, cache, jnp.int32(0)), params["layers"])
+    layers = params["layers"]
+    if isinstance(layers, tuple | list):  # unrolled: each layer's index a Python int, which a
+        # per-layer cache needs to pick its buffer
+        carry = (x, cache)
+        for i, lp in enumerate(layers):
+            carry, _ = layer(carry, (lp, i))
+        x, cache = carry
+    else:
+        n = jax.tree.leaves(layers)[0].shape[0]
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (layers, jnp.arange(n, dtype=jnp.int32)))
     return _logits(params, x, config), cache
 
 

@@ -156,6 +156,37 @@ def test_dense_cache_stores_tokens_before_heads_and_views_the_old_layout():
     np.testing.assert_array_equal(c.v[1, 0, :, 40], (2 * tok[0]).astype(jnp.bfloat16))
 
 
+def test_per_layer_dense_cache_equals_the_stacked_one():
+    """One buffer per layer (read in place by a custom call) holds and attends the same bits;
+    its layer index must be concrete."""
+    q, k, v = _inputs(3, 2, 2, 8, 40)
+    lengths = jnp.array([40, 7], jnp.int32)
+    tok = jax.random.normal(jax.random.key(4), (2, 2, D))
+    caches = [
+        kj.DenseCache.init(num_layers=L, batch=2, kv_heads=2, head_dim=D, max_len=64, per_layer=p)
+        .prefill(k, v, lengths)
+        .advance()
+        .write(1, tok, 2 * tok)
+        for p in (False, True)
+    ]
+    stacked, per_layer = caches
+    assert per_layer.per_layer and len(per_layer.k_seq) == L
+    assert per_layer.k_seq[0].shape == (2, 64, 2, D) and per_layer.num_layers == L
+    assert per_layer.nbytes() == stacked.nbytes()
+    np.testing.assert_array_equal(per_layer.k, stacked.k)
+    np.testing.assert_array_equal(per_layer.v, stacked.v)
+    for layer in range(L):
+        for impl in ("auto", "reference"):
+            np.testing.assert_array_equal(
+                kj.decode_attention(q, per_layer, layer, implementation=impl),
+                kj.decode_attention(q, stacked, layer, implementation=impl),
+            )
+    with pytest.raises(ValueError, match="concrete layer index"):
+        jax.jit(lambda c, l: c.write(l, tok, tok))(per_layer, jnp.int32(1))
+    with pytest.raises(ValueError, match="concrete layer index"):
+        jax.jit(lambda c, l: kj.decode_attention(q, c, l))(per_layer, jnp.int32(1))
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may apply on a GPU")
 def test_dense_cudnn_declines_without_a_gpu_and_auto_falls_back_to_xla():
     q, c = _dense_case(jnp.bfloat16)

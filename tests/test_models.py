@@ -242,19 +242,21 @@ def test_unstack_layers_round_trip_and_checks(tiny_params):
         llama.check_params({**un, "layers": bad}, TINY)
 
 
-@pytest.mark.parametrize("cache_name", ["fp16", "kivi2"])
+@pytest.mark.parametrize("cache_name", ["fp16", "fp16-per-layer", "kivi2"])
 def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
     """The unrolled loop over per-layer weights is the same model as the scan: prefill logits
-    and cache, then decode steps through a short KIVI window (so quantized groups are read)."""
+    and cache, then decode steps through a short KIVI window (so quantized groups are read).
+    fp16-per-layer: the unrolled loop over a dense cache with one buffer per layer."""
     cfg, B, S, P = TINY, 2, 40, 30
     un = llama.unstack_layers(tiny_params)
     toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
-    kw = dict(group_size=16, residual_length=16) if cache_name != "fp16" else {}
+    kw = dict(group_size=16, residual_length=16) if cache_name == "kivi2" else {}
+    name = cache_name.removesuffix("-per-layer")
     outs = []
     for p in (tiny_params, un):
-        lg, c = prefill(
-            p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(cache_name, cfg, B, 64, **kw)
-        )
+        if p is un and cache_name.endswith("per-layer"):
+            kw = dict(per_layer=True)
+        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(name, cfg, B, 64, **kw))
         steps = [lg]
         for t in range(P, S):
             lg, c = decode_step(p, cfg, toks[:, t], c)
@@ -263,6 +265,9 @@ def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
     (a, ca), (b, cb) = outs
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(a).max()) > 0.1
+    if cache_name.endswith("per-layer"):  # compare in the stacked form
+        assert cb.per_layer and not ca.per_layer
+        ca, cb = (ca.k, ca.v, ca.lengths), (cb.k, cb.v, cb.lengths)
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-5)
 
@@ -274,6 +279,11 @@ def test_generate_takes_either_layout(tiny_params, monkeypatch):
         llama.unstack_layers(tiny_params), TINY, prompts, cache="kivi2", max_new_tokens=6
     )
     assert a.tokens == b.tokens
+    dense = [
+        G.generate(p, TINY, prompts, cache="fp16", max_new_tokens=6)
+        for p in (tiny_params, llama.unstack_layers(tiny_params))  # stacked, then per layer
+    ]
+    assert dense[0].tokens == dense[1].tokens
     if jax.default_backend() != "gpu":
         assert G.decode_layout(tiny_params) is tiny_params  # CPUs: the stacked scan
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
