@@ -125,12 +125,13 @@ def random_kivi_cache(
     abstract = jax.eval_shape(lambda: kivi_jax.KiviCache.init(config, **dims))
     full = jnp.full((1,), tokens + residual, jnp.int32)
     split = min(
-        int(abstract.keys.num_quantized(full)[0]), int(abstract.values.num_quantized(full)[0])
+        int(abstract.keys.full_precision_from(full)[0]),
+        int(abstract.values.full_precision_from(full)[0]),
     )
     if split != tokens:
         raise ValueError(
             f"a row of tokens={tokens} + R={residual} quantizes {split} tokens, not {tokens}: "
-            f"keys are quantized in whole windows of max(R, G={group_size}) tokens"
+            f"the newest max(R, G={group_size}) tokens are read from the windows"
         )
     return _fill(key, config, tuple(dims.items()), jnp.asarray(lengths, jnp.int32))
 

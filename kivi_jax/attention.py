@@ -231,8 +231,14 @@ def quantized_region_folded(
 
 
 def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
-    """Attention over positions [start, lengths) of each row (the residual tail), float32."""
+    """Attention over positions [start, lengths) of each row (the residual tail), float32;
+    start is `cache.quantized_split()`."""
     n = jnp.minimum(cache.lengths, cache.max_len)
+    if cache.windows_aligned:  # the tail is the two windows, slot for slot
+        w = cache.keys.window
+        k = cache.keys.residual[layer].astype(jnp.float32)  # [B, Hkv, W, D]
+        v = cache.values.residual[layer].astype(jnp.float32)
+        return _softmax_attend(qg, k, v, jnp.arange(w)[None, :] < n[:, None])
     w = cache.tail_window
     t = n[:, None] - w + jnp.arange(w)  # the last W positions of each row
     k = cache.keys.gather(layer, t, n)

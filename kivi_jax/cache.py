@@ -129,10 +129,15 @@ def token_rows(t: Array, bits: int) -> tuple[Array, Array]:
 class QuantizedStore:
     """Keys or values of every layer: packed codes, scales, minimums and a residual window.
 
-    axis="channel": one (scale, min) per channel and group of G tokens; the residual is a block
-    of W = max(R, G) tokens, quantized at once when it fills (KIVI keys).
-    axis="token": one (scale, min) per token and group of G channels; the residual holds the
-    newest W = R tokens, each quantized when it leaves (KIVI values).
+    axis="channel": one (scale, min) per channel and group of G tokens; a window of W =
+    max(R, G) tokens, each full block of which is quantized at once when the next token
+    arrives (KIVI keys).
+    axis="token": one (scale, min) per token and group of G channels; a window of W = R tokens,
+    each quantized when it leaves (KIVI values).
+    Either way the window is a ring holding the newest W tokens (token p in slot p % W), and
+    readers take positions [n - W, n) of a row of n tokens from it, in full precision: a key
+    block stays in its window after it is quantized, until the next block's tokens replace it
+    one by one (`full_precision_from`).
     transposed=False keeps tokens on the rows of the codes (keys); True keeps them on the
     columns, i.e. stores V^T (values), which is what the kernel's P.V product wants; at 2 bits
     in blocks of 64 byte columns (`kivi_jax.quant.block_columns`, `value_codes_blocked`: one
@@ -171,11 +176,18 @@ class QuantizedStore:
         return self.packed_len * codes_per_byte(self.bits)
 
     def num_quantized(self, lengths: Array) -> Array:
-        """Per row, how many leading positions are quantized for rows holding `lengths` tokens."""
+        """Per row, how many leading positions have codes for rows holding `lengths` tokens: per
+        channel, the whole blocks of W before the newest token's block (a full block is
+        quantized when the next token arrives, `flush`); per token, all but the newest W."""
         w = self.window
         if self.axis == "channel":
-            return (lengths // w) * w
+            return (jnp.maximum(lengths - 1, 0) // w) * w
         return jnp.maximum(lengths - w, 0)
+
+    def full_precision_from(self, lengths: Array) -> Array:
+        """Per row, the first position read from the window (full precision): the newest W
+        positions [n - W, n) of a row of n tokens; those before are read from the codes."""
+        return jnp.maximum(lengths - self.window, 0)
 
     @staticmethod
     def init(
@@ -260,83 +272,77 @@ class QuantizedStore:
         )
 
     def write(self, layer, pos: Array, x: Array, valid: Array) -> QuantizedStore:
-        """Store token x [B, Hkv, D] at positions pos [B] of `layer` where valid [B]."""
-        if self.axis == "channel":
-            return self._write_channel(layer, pos, x, valid)
-        return self._write_token(layer, pos, x, valid)
-
-    def _write_channel(self, layer, pos, x, valid) -> QuantizedStore:
-        _, nb, nh, w, d = self.residual.shape
-        g = self.group_size
-        b = jnp.arange(nb)
-        # The layer's window is read once and written back once (one dynamic_update_slice of
-        # the [L, ...] buffer): a scatter of the token followed by a second update of the same
-        # buffer made XLA copy the residual of all layers, per layer, in some schedules.
-        old = jax.lax.dynamic_index_in_dim(self.residual, layer, 0, keepdims=False)
-        # Every read of the old buffer is now an input of the barrier, so the in-place update
-        # below is ordered after them (XLA copies the whole buffer when it cannot order them).
-        residual, old = jax.lax.optimization_barrier((self.residual, old))
-        put = valid[:, None] & (jnp.arange(w)[None, :] == (pos % w)[:, None])  # [B, W]
-        block = jnp.where(put[:, None, :, None], x[:, :, None, :].astype(old.dtype), old)
-        flush = valid & ((pos + 1) % w == 0)
-        codes, scale, mn = minmax_quantize(
-            block.reshape(nb, nh, w // g, g, d), self.bits, axis=-2, scale_dtype=self.scale.dtype
-        )
-        start = pos + 1 - w
-        t = start[:, None] + jnp.arange(w)  # [B, W]
-        rows, shifts = token_rows(t, self.bits)
-        rows = jnp.where(flush[:, None], rows, self.packed_len)
-        vals = codes.reshape(nb, nh, w, d).transpose(0, 2, 1, 3) << shifts[:, :, None, None]
-        store = dataclasses.replace(self, codes=self._add_codes(layer, b[:, None], rows, vals))
-        groups = start[:, None] // g + jnp.arange(w // g)
-        groups = jnp.where(flush[:, None], groups, self.scale.shape[-2])
-        store = store._set_scales(
-            layer,
-            b[:, None],
-            groups,
-            scale[..., 0, :].transpose(0, 2, 1, 3),
-            mn[..., 0, :].transpose(0, 2, 1, 3),
-        )
-        # A flushed block leaves the window empty; zeroing it keeps the cache a function of its
-        # tokens (streaming and bulk prefill give equal bits).
-        block = jnp.where(flush[:, None, None, None], jnp.zeros_like(block), block)
-        res = jax.lax.dynamic_update_index_in_dim(residual, block, layer, 0)
-        return dataclasses.replace(store, residual=res)
-
-    def flush_token(self, pos: Array, valid: Array) -> QuantizedStore:
-        """Token axis: quantize, in every layer, the token at pos - W that leaves the window
-        when position pos [B] is written (`valid` [B]: rows that write). Runs once per decode
-        step, before the layers' writes (`KiviCache.advance`).
-
-        The token leaving the window does not depend on the new token, so quantizing it inside
-        the layer loop gave XLA a read of the residual with no data path to the next layer's
-        write of it, and XLA copied the [L, ...] residual, scales and codes, per layer, to keep
-        both. Done for all layers at once, every read comes before any write.
-        """
-        if self.axis != "token" or self.window == 0:
-            return self
-        nl, nb, _, w, _ = self.residual.shape
-        b = jnp.arange(nb)
-        out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
-        store = self._put_tokens(
-            jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None], (valid & (pos >= w))[None]
-        )
-        # The residual comes out of the barrier after the read above: the layers' in-place
-        # writes of the vacated slots are ordered after it.
-        residual, _ = jax.lax.optimization_barrier((self.residual, out_x))
-        return dataclasses.replace(store, residual=residual)
-
-    def _write_token(self, layer, pos, x, valid) -> QuantizedStore:
+        """Store token x [B, Hkv, D] at positions pos [B] of `layer` where valid [B]: into its
+        window slot pos % W (what left that slot was quantized by `flush`), or, with no
+        window, quantized at once."""
         nb = x.shape[0]
         w = self.window
         b = jnp.arange(nb)
-        if w:  # the slot's previous token was quantized by flush_token
+        if w:
             slot = jnp.where(valid, pos % w, w)
             res = self.residual.at[layer, b, :, slot].set(
                 x.astype(self.residual.dtype), mode="drop"
             )
             return dataclasses.replace(self, residual=res)
         return self._put_tokens(layer, b, x, pos, valid)
+
+    def flush(self, pos: Array, valid: Array) -> QuantizedStore:
+        """Quantize, in every layer, what the write of position pos [B] (`valid` [B]: rows
+        that write) is about to replace in the window: per token, the token at pos - W; per
+        channel, the block [pos - W, pos) when pos starts a new block. Runs once per decode
+        step, before the layers' writes (`KiviCache.advance`).
+
+        Done for all layers at once, every read of the windows comes before any write of
+        them: inside the layer loop the read had no data path to the next layer's write, and
+        XLA copied the [L, ...] window, scales and codes, per layer, to keep both.
+        """
+        if self.window == 0:
+            return self
+        if self.axis == "channel":
+            store, out = self._flush_block(pos, valid)
+        else:
+            store, out = self._flush_token(pos, valid)
+        # The window comes out of the barrier after the reads above: the layers' in-place
+        # writes of the vacated slots are ordered after them.
+        residual, _ = jax.lax.optimization_barrier((self.residual, out))
+        return dataclasses.replace(store, residual=residual)
+
+    def _flush_token(self, pos, valid):
+        nl, nb, _, w, _ = self.residual.shape
+        b = jnp.arange(nb)
+        out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
+        store = self._put_tokens(
+            jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None], (valid & (pos >= w))[None]
+        )
+        return store, out_x
+
+    def _flush_block(self, pos, valid):
+        nl, nb, nh, w, d = self.residual.shape
+        g = self.group_size
+        flush = valid & (pos >= w) & (pos % w == 0)  # the window holds [pos - W, pos), whole
+
+        def quantize(store):
+            codes, scale, mn = minmax_quantize(
+                store.residual.reshape(nl, nb, nh, w // g, g, d),
+                store.bits,
+                axis=-2,
+                scale_dtype=store.scale.dtype,
+            )
+            start = pos - w
+            rows, shifts = token_rows(start[:, None] + jnp.arange(w), store.bits)  # [B, W]
+            rows = jnp.where(flush[:, None], rows, store.packed_len)
+            vals = codes.reshape(nl, nb, nh, w, d).transpose(0, 1, 3, 2, 4)  # [L, B, W, H, D]
+            vals = vals << shifts[None, :, :, None, None]
+            layers, b = jnp.arange(nl)[:, None, None], jnp.arange(nb)[None, :, None]
+            store = dataclasses.replace(store, codes=store._add_codes(layers, b, rows[None], vals))
+            groups = start[:, None] // g + jnp.arange(w // g)
+            groups = jnp.where(flush[:, None], groups, store.scale.shape[-2])
+            per_group = lambda a: a[..., 0, :].transpose(0, 1, 3, 2, 4)  # [L, B, W/G, H, D]
+            return store._set_scales(layers, b, groups[None], per_group(scale), per_group(mn))
+
+        # Most steps start no block: the quantization runs only when some row does.
+        store = jax.lax.cond(jnp.any(flush), quantize, lambda st: st, self)
+        return store, store.codes
 
     def _put_tokens(self, layer, b, x, pos, valid) -> QuantizedStore:
         """Token axis: quantize tokens x [..., H, D] into positions pos where valid; layer, b,
@@ -402,15 +408,13 @@ class QuantizedStore:
         else:
             new_scale = jnp.zeros_like(self.scale).at[..., :s_pad].set(scale[..., :tq])
             new_min = jnp.zeros_like(self.minimum).at[..., :s_pad].set(mn[..., :tq])
-        # Residual slot j holds the token at the one position p of the window with p % W == j.
+        # Window slot j holds the newest position p < lengths with p % W == j (module doc of
+        # the class: the window is a ring of the newest W tokens, on both axes).
         if w == 0:
             res = jnp.zeros_like(self.residual)  # a new array: never alias the input cache's
         else:
             j = jnp.arange(w)
-            if self.axis == "channel":
-                p = nq[:, None] + j  # [B, W]
-            else:
-                p = (lengths[:, None] - 1) - ((lengths[:, None] - 1 - j) % w)
+            p = (lengths[:, None] - 1) - ((lengths[:, None] - 1 - j) % w)  # [B, W]
             ok = (p >= 0) & (p < lengths[:, None])
             pc = jnp.clip(p, 0, s - 1)
             res = jnp.take_along_axis(x, pc[None, :, None, :, None], axis=3)
@@ -447,10 +451,10 @@ class QuantizedStore:
                 for a in (self.scale, self.minimum)
             )
         deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
-        nq = self.num_quantized(lengths)[:, None]
         if self.window:
             res = self.residual[layer, b, :, t % self.window].astype(jnp.float32)
-            deq = jnp.where((t >= nq)[..., None, None], res, deq)
+            full = t >= self.full_precision_from(lengths)[:, None]
+            deq = jnp.where(full[..., None, None], res, deq)
         return deq.transpose(0, 2, 1, 3)
 
     def nbytes(self) -> CacheBytes:
@@ -653,12 +657,12 @@ class KiviCache(_CacheOps):
         )
 
     def advance(self) -> KiviCache:
-        """Start a decode step: every row's length grows by one, and in every layer the token
-        that leaves a per-token window is quantized (its slot is what `write` fills)."""
+        """Start a decode step: every row's length grows by one, and in every layer what the
+        new token's slot held is quantized (`QuantizedStore.flush`): `write` then fills it."""
         c = super().advance()
         pos, valid = c._write_position()
         return dataclasses.replace(
-            c, keys=c.keys.flush_token(pos, valid), values=c.values.flush_token(pos, valid)
+            c, keys=c.keys.flush(pos, valid), values=c.values.flush(pos, valid)
         )
 
     def write(self, layer, k: Array, v: Array) -> KiviCache:
@@ -690,14 +694,22 @@ class KiviCache(_CacheOps):
         )
 
     def quantized_split(self) -> Array:
-        """[B] int32: positions [0, m) have both K and V quantized (the kernel's region)."""
+        """[B] int32: positions [0, m) read K and V from the codes (the kernel's region); the
+        tail [m, lengths) lies in the newest `tail_window` positions."""
         n = jnp.minimum(self.lengths, self.max_len)
-        return jnp.minimum(self.keys.num_quantized(n), self.values.num_quantized(n))
+        return jnp.minimum(self.keys.full_precision_from(n), self.values.full_precision_from(n))
 
     @property
     def tail_window(self) -> int:
         """Positions [m, lengths) of a row always lie in its last `tail_window` positions."""
         return max(self.keys.window, self.values.window)
+
+    @property
+    def windows_aligned(self) -> bool:
+        """Keys and values keep windows of the same size W > 0 (R >= G): the tail is then the
+        two windows themselves, slot for slot (slots [0, min(n, W)) hold a row's newest
+        tokens), read without gathering."""
+        return self.keys.window == self.values.window > 0
 
 
 @jax.tree_util.register_dataclass

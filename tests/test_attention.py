@@ -36,19 +36,24 @@ def _attend_np(q, k, v, lengths):
 
 
 def _kivi_image(x, n, config, which):
-    """What the cache holds for one row's tokens x [Hkv, S, D] with n tokens (numpy float32):
-    quantized through the public transforms where KIVI quantizes, exact in the residual."""
+    """What attention reads of one row's tokens x [Hkv, S, D] with n tokens (numpy float32):
+    quantized through the public transforms where KIVI quantizes, exact in the newest W (the
+    window: keys W = max(R, G), values W = R; a key block quantized at once, values one by
+    one, and both read exact while in the window)."""
     g, r = config.group_size, config.residual_length
     out = np.array(x[:, :n], np.float32)
     if which == "k":
         w = max(r, g)
-        nq = (n // w) * w
-        if nq:
-            out[:, :nq] = np.asarray(kj.dequantize(kj.quantize_keys(x[:, :nq], config)))
+        nq = (n // w) * w  # whole blocks quantized
+        quantize = kj.quantize_keys
     else:
+        w = r
         nq = max(n - r, 0)
-        if nq:
-            out[:, :nq] = np.asarray(kj.dequantize(kj.quantize_values(x[:, :nq], config)))
+        quantize = kj.quantize_values
+    if nq:
+        deq = np.asarray(kj.dequantize(quantize(x[:, :nq], config)))
+        exact_from = max(n - w, 0)  # the window's tokens are read exact
+        out[:, :exact_from] = deq[:, :exact_from]
     return out
 
 

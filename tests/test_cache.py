@@ -72,15 +72,19 @@ def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
     c = kj.KiviCache.init(
         config, num_layers=L, batch=3, kv_heads=H, head_dim=D, max_len=300, dtype=jnp.float32
     ).prefill(k, v, lengths)
-    # keys: whole blocks of R quantized; values: all but the newest R.
-    np.testing.assert_array_equal(c.keys.num_quantized(c.lengths), [256, 0, 256])
+    # keys: the whole blocks of R before the newest token's block are quantized (a full block
+    # waits for the next token); values: all but the newest R.
+    np.testing.assert_array_equal(c.keys.num_quantized(c.lengths), [256, 0, 128])
     np.testing.assert_array_equal(c.values.num_quantized(c.lengths), [172, 0, 128])
-    # The residual holds the newest tokens exactly (full precision).
-    np.testing.assert_array_equal(c.keys.residual[:, 0, :, : 300 - 256], k[:, 0, :, 256:300])
-    slots = np.arange(300 - 128, 300) % 128
-    np.testing.assert_array_equal(
-        np.asarray(c.values.residual)[:, 0][:, :, slots], v[:, 0, :, 172:300]
-    )
+    # Attention reads the newest R of both from the windows, the rest from the codes.
+    np.testing.assert_array_equal(c.quantized_split(), [172, 0, 128])
+    # Both windows hold the newest tokens exactly (full precision), token p in slot p % R.
+    for store, x in ((c.keys, k), (c.values, v)):
+        for row, n in enumerate((300, 127, 256)):
+            t = np.arange(max(n - 128, 0), n)
+            np.testing.assert_array_equal(
+                np.asarray(store.residual)[:, row][:, :, t % 128], np.asarray(x)[:, row][:, :, t]
+            )
 
 
 def test_quantized_tokens_sit_in_the_documented_layout():
@@ -96,10 +100,13 @@ def test_quantized_tokens_sit_in_the_documented_layout():
         config, num_layers=L, batch=1, kv_heads=H, head_dim=D, max_len=512, dtype=jnp.float32
     ).prefill(k, v, jnp.array([512], jnp.int32))
     kc, ks, _ = minmax_quantize(k.reshape(L, 1, H, 16, 32, D), 2, axis=-2)
-    np.testing.assert_array_equal(
-        c.keys.codes, pack_tokens(kc.reshape(L, 1, H, 512, D), 2, axis=-2)
-    )
-    np.testing.assert_array_equal(c.keys.scale, ks[..., 0, :])
+    # keys: 15 whole groups; the 16th, the newest block, waits for the next token
+    kq = int(c.keys.num_quantized(c.lengths)[0])
+    assert kq == 480
+    kc = jnp.where((jnp.arange(512) < kq)[:, None], kc.reshape(L, 1, H, 512, D), 0)
+    np.testing.assert_array_equal(c.keys.codes, pack_tokens(kc, 2, axis=-2))
+    np.testing.assert_array_equal(c.keys.scale[..., :15, :], ks[..., :15, 0, :])
+    np.testing.assert_array_equal(c.keys.scale[..., 15:, :], 0)
     nq = int(c.values.num_quantized(c.lengths)[0])  # 480: the newest 32 stay in full precision
     vc, vs, _ = minmax_quantize(v.reshape(L, 1, H, 512, D // 32, 32), 4, axis=-1)
     vc = jnp.where((jnp.arange(512) < nq)[:, None], vc.reshape(L, 1, H, 512, D), 0)
