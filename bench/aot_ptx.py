@@ -42,9 +42,15 @@ BATCH, KV_HEADS, TOKENS = 2, 8, 8192
 ANCHOR_BATCH, ANCHOR_TOKENS = 8, 131072  # the launch is chosen for the anchor's shape
 
 
-def cache_shapes(key_bits: int, value_bits: int, group_size: int, head_dim: int):
-    """ShapeDtypeStructs of a one-layer KiviCache's stores: the kernel's cache operands."""
-    config = kivi_jax.KiviConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+def cache_shapes(key_bits: int, value_bits: int, group_size: int, head_dim: int, window: int = 0):
+    """ShapeDtypeStructs of a one-layer KiviCache's stores (windows of `window` slots, R =
+    window; default R = 128): the kernel's cache operands."""
+    config = kivi_jax.KiviConfig(
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        residual_length=window or 128,
+    )
     return jax.eval_shape(
         lambda: kivi_jax.KiviCache.init(
             config, num_layers=1, batch=BATCH, kv_heads=KV_HEADS, head_dim=head_dim, max_len=TOKENS
@@ -61,8 +67,11 @@ def compile_ptx(
     hq: int = 32,
     head_dim: int = 128,
     target: Path = TARGET,
+    window: int = 0,
 ) -> str:
-    """The PTX text of the kernel for these bits, group size and TuningConfig overrides."""
+    """The PTX text of the kernel for these bits, group size and TuningConfig overrides;
+    window: with residual windows of that many slots attended in the kernel (the launch then
+    `choose_tuning`'s at the compile shape, where the windows fit beside the pipelines)."""
 
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
     topo = topologies.get_topology_desc(
@@ -72,9 +81,9 @@ def compile_ptx(
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     tuning = override(
         choose_tuning(
-            ANCHOR_BATCH,
+            BATCH if window else ANCHOR_BATCH,
             KV_HEADS,
-            ANCHOR_TOKENS,
+            TOKENS if window else ANCHOR_TOKENS,
             key_bits=key_bits,
             value_bits=value_bits,
             group_size=group_size,
@@ -83,8 +92,9 @@ def compile_ptx(
         ),
         flags,
     )
-    c = cache_shapes(key_bits, value_bits, group_size, head_dim)
+    c = cache_shapes(key_bits, value_bits, group_size, head_dim, window)
     stores = [spec(x) for s in (c.keys, c.values) for x in (s.codes, s.scale, s.minimum)]
+    windows = (spec(c.keys.residual), spec(c.values.residual)) if window else ()
     kw = dict(
         key_bits=key_bits,
         value_bits=value_bits,
@@ -92,7 +102,12 @@ def compile_ptx(
         sm_scale=1 / math.sqrt(head_dim),
         tuning=tuning,
     )
-    f = jax.jit(lambda q, nt, layer, *stores: kivi_decode(q, *stores, nt, layer, **kw))
+
+    @jax.jit
+    def f(q, nt, layer, *arrays):
+        stores, win = arrays[:6], arrays[6:]
+        return kivi_decode(q, *stores, nt, layer, windows=win or None, **kw)
+
     with tempfile.TemporaryDirectory() as d:
         names = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX")
         old = {k: os.environ.get(k) for k in names}
@@ -103,6 +118,7 @@ def compile_ptx(
                 spec(jax.ShapeDtypeStruct((BATCH,), jnp.int32)),
                 spec(jax.ShapeDtypeStruct((), jnp.int32)),
                 *stores,
+                *windows,
             ).lower().compile()
         finally:
             for k, v in old.items():
@@ -119,10 +135,11 @@ def compile_ptx(
         return Path(ptx[0]).read_text()
 
 
-def ptx_name(key_bits: int, value_bits: int, group_size: int, flags: str) -> str:
-    """The file name of a configuration's PTX: '2_2_32_num_splits12.ptx', '2_2_128_default.ptx'."""
+def ptx_name(key_bits: int, value_bits: int, group_size: int, flags: str, window: int = 0) -> str:
+    """The file name of a configuration's PTX: '2_2_32_num_splits12.ptx', '2_2_128_default.ptx',
+    '2_2_128_default_w128.ptx' (with windows of 128 slots)."""
     tag = flags.replace(",", "_").replace("=", "") or "default"
-    return f"{key_bits}_{value_bits}_{group_size}_{tag}.ptx"
+    return f"{key_bits}_{value_bits}_{group_size}_{tag}{f'_w{window}' if window else ''}.ptx"
 
 
 def main(argv=None) -> list[Path]:
@@ -133,6 +150,11 @@ def main(argv=None) -> list[Path]:
     )
     ap.add_argument("--hq", type=int, default=32, help="query heads (of Hkv = 8)")
     ap.add_argument("--D", type=int, default=128, help="head dim")
+    ap.add_argument(
+        "--window",
+        default="0",
+        help="residual-window slots attended in the kernel (0: none); a comma list compiles each",
+    )
     ap.add_argument("--out", required=True, help="directory for the .ptx files")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -140,10 +162,11 @@ def main(argv=None) -> list[Path]:
     paths = []
     for kb, vb, g in parse_kbg(a.kbg):
         for flags in a.flags.split(";"):
-            path = out / ptx_name(kb, vb, g, flags)
-            path.write_text(compile_ptx(kb, vb, g, flags, hq=a.hq, head_dim=a.D))
-            print(path, flush=True)
-            paths.append(path)
+            for w in (int(x) for x in a.window.split(",")):
+                path = out / ptx_name(kb, vb, g, flags, w)
+                path.write_text(compile_ptx(kb, vb, g, flags, hq=a.hq, head_dim=a.D, window=w))
+                print(path, flush=True)
+                paths.append(path)
     return paths
 
 

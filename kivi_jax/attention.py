@@ -236,8 +236,8 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
     n = jnp.minimum(cache.lengths, cache.max_len)
     if cache.windows_aligned:  # the tail is the two windows, slot for slot
         w = cache.keys.window
-        k = cache.keys.residual[layer].astype(jnp.float32)  # [B, Hkv, W, D]
-        v = cache.values.residual[layer].astype(jnp.float32)
+        k = cache.keys.layer_window(layer).astype(jnp.float32)  # [B, Hkv, W, D]
+        v = cache.values.layer_window(layer).astype(jnp.float32)
         return _softmax_attend(qg, k, v, jnp.arange(w)[None, :] < n[:, None])
     w = cache.tail_window
     t = n[:, None] - w + jnp.arange(w)  # the last W positions of each row
@@ -268,8 +268,7 @@ def _kivi_pallas(
             "the Pallas KIVI kernel runs on Hopper (sm_90) GPUs; on this backend "
             f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
         )
-    m = cache.quantized_split()
-    o, lse = kernel.kivi_decode(
+    call = lambda num_tokens, windows=None: kernel.kivi_decode(
         q,
         cache.keys.codes,
         cache.keys.scale,
@@ -277,7 +276,7 @@ def _kivi_pallas(
         cache.values.codes,
         cache.values.scale,
         cache.values.minimum,
-        m,
+        num_tokens,
         layer,
         key_bits=cache.config.key_bits,
         value_bits=cache.config.value_bits,
@@ -286,15 +285,31 @@ def _kivi_pallas(
         interpret=interpret,
         tuning=tuning,
         low_precision=low_precision,
+        windows=windows,
     )
+    finish = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
+    if cache.windows_aligned and cache.keys.window % 64 == 0:
+        # One launch: the kernel attends the windows too (where they fit its shared memory).
+        try:
+            o, lse = call(
+                jnp.minimum(cache.lengths, cache.max_len),
+                (cache.keys.residual, cache.values.residual),
+            )
+            return finish(*_settled(o, lse, interpret))
+        except NotImplementedError:
+            pass
+    m = cache.quantized_split()
+    main = finish(*_settled(*call(m), interpret))
+    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+
+
+def _settled(o, lse, interpret):
     if interpret and not isinstance(o, jax.core.Tracer):
         # Called eagerly, the interpreted kernel runs asynchronously and its callbacks dispatch
         # eager ops of their own; eager ops issued here meanwhile can deadlock the CPU client
         # (seen on 2 cores), so the kernel finishes first. Under jit there is one executable.
         jax.block_until_ready((o, lse))
-    b, hq, d = q.shape
-    main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
-    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+    return o, lse
 
 
 def pallas_available() -> bool:

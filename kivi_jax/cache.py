@@ -148,7 +148,8 @@ class QuantizedStore:
     codes: Array  # uint8
     scale: Array  # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/G, Tq]
     minimum: Array  # same shape and dtype as scale
-    residual: Array  # [L, B, Hkv, W, D] in the model dtype; token p in slot p % W
+    # [L, B, Hkv, W, D] in the model dtype, token p in slot p % W; transposed: [L, B, Hkv, D, W]
+    residual: Array
     bits: int = dataclasses.field(metadata=static)
     group_size: int = dataclasses.field(metadata=static)
     axis: str = dataclasses.field(metadata=static)
@@ -156,7 +157,16 @@ class QuantizedStore:
 
     @property
     def window(self) -> int:
-        return self.residual.shape[-2]
+        return self.residual.shape[-1 if self.transposed else -2]
+
+    def window_tokens(self) -> Array:
+        """The windows of all layers as [L, B, Hkv, W, D]."""
+        return self.residual.swapaxes(-1, -2) if self.transposed else self.residual
+
+    def layer_window(self, layer) -> Array:
+        """The window of `layer` as [B, Hkv, W, D]."""
+        x = self.residual[layer]
+        return x.swapaxes(-1, -2) if self.transposed else x
 
     @property
     def blocked(self) -> bool:
@@ -221,7 +231,9 @@ class QuantizedStore:
             codes=jnp.zeros(codes, jnp.uint8),
             scale=jnp.zeros(scale, scale_dtype),
             minimum=jnp.zeros(scale, scale_dtype),
-            residual=jnp.zeros((*lbh, window, head_dim), dtype),
+            residual=jnp.zeros(
+                (*lbh, head_dim, window) if transposed else (*lbh, window, head_dim), dtype
+            ),
             bits=bits,
             group_size=group_size,
             axis=axis,
@@ -242,7 +254,11 @@ class QuantizedStore:
             scale = jax.P(*lbh, "cache_seq_groups", "head_dim")
         else:
             scale = jax.P(*lbh, "head_dim_groups", "cache_seq")
-        res = jax.P(*lbh, "residual", "head_dim")
+        res = (
+            jax.P(*lbh, "head_dim", "residual")
+            if self.transposed
+            else jax.P(*lbh, "residual", "head_dim")
+        )
         return dataclasses.replace(self, codes=codes, scale=scale, minimum=scale, residual=res)
 
     # -- scatter helpers: rows, groups or slots pushed out of bounds are dropped (mode="drop"),
@@ -280,9 +296,8 @@ class QuantizedStore:
         b = jnp.arange(nb)
         if w:
             slot = jnp.where(valid, pos % w, w)
-            res = self.residual.at[layer, b, :, slot].set(
-                x.astype(self.residual.dtype), mode="drop"
-            )
+            idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))
+            res = self.residual.at[idx].set(x.astype(self.residual.dtype), mode="drop")
             return dataclasses.replace(self, residual=res)
         return self._put_tokens(layer, b, x, pos, valid)
 
@@ -308,22 +323,26 @@ class QuantizedStore:
         return dataclasses.replace(store, residual=residual)
 
     def _flush_token(self, pos, valid):
-        nl, nb, _, w, _ = self.residual.shape
+        nl, nb, _, w, _ = self.window_tokens().shape
         b = jnp.arange(nb)
-        out_x = self.residual[:, b, :, pos % w].transpose(1, 0, 2, 3)  # [L, B, H, D]
+        if self.transposed:
+            out_x = self.residual[:, b, :, :, pos % w]  # [B, L, H, D]
+        else:
+            out_x = self.residual[:, b, :, pos % w]
+        out_x = out_x.transpose(1, 0, 2, 3)  # [L, B, H, D]
         store = self._put_tokens(
             jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None], (valid & (pos >= w))[None]
         )
         return store, out_x
 
     def _flush_block(self, pos, valid):
-        nl, nb, nh, w, d = self.residual.shape
+        nl, nb, nh, w, d = self.window_tokens().shape
         g = self.group_size
         flush = valid & (pos >= w) & (pos % w == 0)  # the window holds [pos - W, pos), whole
 
         def quantize(store):
             codes, scale, mn = minmax_quantize(
-                store.residual.reshape(nl, nb, nh, w // g, g, d),
+                store.window_tokens().reshape(nl, nb, nh, w // g, g, d),
                 store.bits,
                 axis=-2,
                 scale_dtype=store.scale.dtype,
@@ -419,6 +438,8 @@ class QuantizedStore:
             pc = jnp.clip(p, 0, s - 1)
             res = jnp.take_along_axis(x, pc[None, :, None, :, None], axis=3)
             res = jnp.where(ok[None, :, None, :, None], res, 0).astype(self.residual.dtype)
+            if self.transposed:
+                res = res.swapaxes(-1, -2)
         return dataclasses.replace(
             self, codes=new_codes, scale=new_scale, minimum=new_min, residual=res
         )
@@ -452,7 +473,11 @@ class QuantizedStore:
             )
         deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
         if self.window:
-            res = self.residual[layer, b, :, t % self.window].astype(jnp.float32)
+            if self.transposed:
+                res = self.residual[layer, b, :, :, t % self.window]  # [B, N, H, D]
+            else:
+                res = self.residual[layer, b, :, t % self.window]
+            res = res.astype(jnp.float32)
             full = t >= self.full_precision_from(lengths)[:, None]
             deq = jnp.where(full[..., None, None], res, deq)
         return deq.transpose(0, 2, 1, 3)

@@ -69,6 +69,7 @@ class Case:
     lengths: tuple[int, ...] | None = None
     layer: int = 1
     tuning: TuningConfig | None = None
+    window: int = 0  # residual-window slots attended in the kernel (lengths: the rows' n)
 
     @property
     def shape_seed(self) -> int:
@@ -219,6 +220,19 @@ def case_cache(case: Case, seed: int, L: int = 3, blocked=None):
     )
 
 
+def case_windows(case: Case, seed: int, L: int = 3):
+    """Random residual windows of `case` (k [L, B, Hkv, W, D], v [L, B, Hkv, D, W], the
+    query's dtype), or None without windows. Slots past a row's length hold data too: the
+    kernel must mask them."""
+    if not case.window:
+        return None
+    rng = np.random.default_rng(seed + 7)
+    shape = (L, case.B, case.Hkv, case.window, case.D)
+    k = jnp.asarray(rng.standard_normal(shape), case.dtype)
+    v = jnp.asarray(rng.standard_normal(shape), case.dtype).swapaxes(-1, -2)
+    return k, v
+
+
 def plain_attention(q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale):
     """Independent float64 numpy: unpack, dequantize every element, softmax, weighted sum."""
     k_codes, k_scale, k_min, v_codes, v_scale, v_min = (np.asarray(x) for x in cache)
@@ -274,8 +288,16 @@ def run_case(case: Case, seed: int, interpret):
     cache = case_cache(case, seed)
     q = make_q(seed + 1, case.B, case.Hq, case.D, case.dtype)
     nt = jnp.asarray(case.lengths, jnp.int32)
+    windows = case_windows(case, seed)
     o, lse = kivi_decode(
-        q, *cache, nt, jnp.int32(case.layer), **case.kw, tuning=case.tuning, interpret=interpret
+        q,
+        *cache,
+        nt,
+        jnp.int32(case.layer),
+        **case.kw,
+        tuning=case.tuning,
+        interpret=interpret,
+        windows=windows,
     )
     o, lse = jax.block_until_ready((o, lse))
     if interpret is not False:
@@ -284,7 +306,13 @@ def run_case(case: Case, seed: int, interpret):
 
         assert not ipc.get_races().races_found, "GPU interpreter detected a data race"
     ro, rlse = kivi_decode_reference(
-        q, *cache, nt, jnp.int32(case.layer), **case.kw, **twin_flags(case.tuning, case.G, case.D)
+        q,
+        *cache,
+        nt,
+        jnp.int32(case.layer),
+        **case.kw,
+        **twin_flags(case.tuning, case.G, case.D),
+        windows=windows,
     )
     compare(o, lse, ro, rlse, tol_for(case.tuning, case.G, case.D, case.dtype))
 
@@ -319,9 +347,10 @@ def cross_lower(case: Case) -> list[str]:
         sm_scale=0.1,
         tuning=case.tuning,
     )
+    windows = case_windows(case, 0) or ()
 
-    def f(q, nt, layer, *cache):
-        return kivi_decode(q, *cache, nt, layer, **kw)
+    def f(q, nt, layer, *arrays):
+        return kivi_decode(q, *arrays[:6], nt, layer, **kw, windows=arrays[6:] or None)
 
     modules = []
     serde = mosaic_core._run_serde_pass
@@ -333,7 +362,7 @@ def cross_lower(case: Case) -> list[str]:
     with mock.patch.object(mosaic_core, "_run_serde_pass", spy):
         lowered = (
             jax.jit(f)
-            .trace(q, jnp.asarray(case.lengths, jnp.int32), jnp.int32(case.layer), *cache)
+            .trace(q, jnp.asarray(case.lengths, jnp.int32), jnp.int32(case.layer), *cache, *windows)
             .lower(lowering_platforms=("cuda",))
         )
     assert "mosaic_gpu" in lowered.as_text()
@@ -492,6 +521,33 @@ MERGE_CASES = [
          TC(num_splits=2, stages=2, wg_per_block=2, merge_splits=True)),
     Case("W1-K2-G64", 2, 4, 2, 64, 512, 2, 2, 64, f16, (450, 200), 0,
          TC(num_splits=1, stages=2, merge_splits=True)),
+]
+
+# The residual windows attended in the kernel (`windows`): lengths are the rows' n, the
+# quantized region [0, n - W); rows shorter than the window (only the windows), empty rows, a
+# row of both; W 64 and 128; one warpgroup per block, and the in-kernel merge.
+WINDOW_CASES = [
+    Case("W128-K2V2-G128-S2", 3, 8, 2, 128, 512, 2, 2, 128, bf16, (640, 100, 0), 1,
+         TC(num_splits=2, stages=2), window=128),
+    Case("W64-K4V4-G64-D64-S2", 2, 4, 2, 64, 512, 4, 4, 64, f16, (364, 64), 2,
+         TC(num_splits=2, stages=2), window=64),
+    Case("W128-K2V2-G32-S1", 2, 8, 1, 128, 256, 2, 2, 32, f16, (384, 1), 1,
+         TC(num_splits=1, stages=2), window=128),
+    Case("W128-K4V2-G64-merge", 2, 4, 2, 64, 512, 4, 2, 64, bf16, (578, 0), 0,
+         TC(num_splits=1, stages=2, merge_splits=True), window=128),
+]
+# Natively: choose_tuning's launches at shapes where the windows fit beside one warpgroup's
+# pipelines (fold_v_warp's channel order at 2-bit G = 32 included), and explicit splits.
+GPU_WINDOW_CASES = [
+    Case("W128-choose-K2V2-G128", 4, 32, 8, 128, 8192, 2, 2, 128, bf16,
+         (8192 + 128, 5000, 127, 0), window=128),
+    Case("W128-choose-K2V2-G32", 3, 32, 8, 128, 8192, 2, 2, 32, f16, (8320, 129, 3000),
+         window=128),
+    Case("W128-choose-K4V4-G128", 2, 64, 8, 128, 8192, 4, 4, 128, bf16, (64, 7000),
+         window=128),
+    Case("W128-K2V2-G128-S4", 3, 32, 8, 128, 8192, 2, 2, 128, f16, (8320, 4000, 0),
+         tuning=TC(num_splits=4, stages=2), window=128),
+    Case("W64-choose-K2V4-G64-D64", 2, 16, 16, 64, 4096, 2, 4, 64, bf16, (4160, 33), window=64),
 ]
 
 # Larger launches natively on the GPU (lengths drawn per case: one empty row, one partial last

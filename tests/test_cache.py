@@ -83,7 +83,8 @@ def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
         for row, n in enumerate((300, 127, 256)):
             t = np.arange(max(n - 128, 0), n)
             np.testing.assert_array_equal(
-                np.asarray(store.residual)[:, row][:, :, t % 128], np.asarray(x)[:, row][:, :, t]
+                np.asarray(store.window_tokens())[:, row][:, :, t % 128],
+                np.asarray(x)[:, row][:, :, t],
             )
 
 

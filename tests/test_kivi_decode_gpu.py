@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from kivi_decode_cases import (
     GPU_CASES,
+    GPU_WINDOW_CASES,
     ON_GPU,
     TOL,
     anchor,
@@ -24,6 +25,7 @@ from kivi_decode_cases import (
     make_cache,
     make_q,
     plan,
+    run_case,
     tol_for,
     twin_flags,
 )
@@ -56,6 +58,12 @@ def poisoned_runs(q, cache, nt, kw, tun, other):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2), err_msg="not deterministic")
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2), err_msg="not deterministic")
     return (o, lse), theirs
+
+
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES, ids=ids(GPU_WINDOW_CASES))
+def test_gpu_windows_match_reference(case):
+    """The residual windows attended in the kernel, natively, against the twin."""
+    run_case(case, 3, False)
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))

@@ -16,7 +16,9 @@ from kivi_decode_cases import (
     CASES,
     FLAG_CASES,
     GPU_CASES,
+    GPU_WINDOW_CASES,
     TC,
+    WINDOW_CASES,
     Case,
     anchor,
     case_plan,
@@ -53,6 +55,16 @@ def test_chosen_launches_cross_lower_for_sm90(case):
 
 @pytest.mark.parametrize("case", FLAG_CASES, ids=ids(FLAG_CASES))
 def test_tuning_flags_cross_lower_for_sm90(case):
+    cross_lower(case)
+
+
+WINDOWED = WINDOW_CASES + GPU_WINDOW_CASES
+
+
+@pytest.mark.parametrize("case", WINDOWED, ids=ids(WINDOWED))
+def test_window_launches_cross_lower_for_sm90(case):
+    """The residual windows attended in the kernel, natively: fold_v_warp's channel order of
+    the value window's copies (2-bit G = 32), the per-warp softmax, the in-kernel merge."""
     cross_lower(case)
 
 

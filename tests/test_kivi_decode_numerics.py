@@ -10,6 +10,7 @@ choices; argument and TuningConfig errors.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from kivi_decode_cases import (
     FLAG_CASES,
     MERGE_CASES,
     TC,
+    WINDOW_CASES,
     Case,
     anchor,
     case_cache,
@@ -55,6 +57,36 @@ def test_interpret_matches_reference(case):
 @pytest.mark.parametrize("case", FLAG_CASES, ids=ids(FLAG_CASES))
 def test_interpret_tuning_flags_match_reference(case):
     run_case(case, seed=11, interpret=interpreter())
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=ids(WINDOW_CASES))
+def test_interpret_windows_match_reference(case):
+    """The residual windows attended in the kernel and merged into the row's last split."""
+    run_case(case, 5, interpreter())
+
+
+def test_windows_that_do_not_fit_raise_not_implemented():
+    """choose_tuning's four-warpgroup launch leaves no shared memory for the windows: the
+    call declines (NotImplementedError: `decode_attention` then attends them outside)."""
+    case = WINDOW_CASES[0].replace(B=8, Hkv=8, Hq=32, T=131072, lengths=None, tuning=None)
+    q = make_q(0, case.B, case.Hq, case.D, case.dtype)
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+    L, B, H, T, D = 1, 8, 8, 131072, 128
+    u8, f16 = jnp.uint8, jnp.float16
+    cache = (
+        spec((L, B, H, T // 4, D), u8),
+        spec((L, B, H, T // 128, D), f16),
+        spec((L, B, H, T // 128, D), f16),
+        spec((L, B, H, T // 4 // 64, D, 64), u8),
+        spec((L, B, H, 1, T), f16),
+        spec((L, B, H, 1, T), f16),
+    )
+    windows = (spec((L, B, H, 128, D), jnp.bfloat16), spec((L, B, H, D, 128), jnp.bfloat16))
+    f = lambda q, *a: kivi_decode(
+        q, *a[:6], jnp.zeros((B,), jnp.int32), 0, **case.kw, windows=a[6:]
+    )
+    with pytest.raises(NotImplementedError, match="windows do not fit"):
+        jax.eval_shape(f, q, *cache, *windows)
 
 
 @pytest.mark.parametrize("case", MERGE_CASES, ids=ids(MERGE_CASES))

@@ -117,6 +117,9 @@ class Plan:
     G: int  # group size
     interpret: bool
     vblock: bool  # value codes stored in blocks of 64 byte columns (2-bit caches)
+    # the residual windows attended in the kernel: W slots (0: none) in window_dtype
+    window: int = 0
+    window_dtype: str = "bfloat16"
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)
@@ -157,6 +160,13 @@ class Plan:
     @property
     def native(self) -> bool:
         return not self.interpret
+
+    @property
+    def window_buffers(self) -> int:
+        """Chunk buffers of the window tail: one natively (refilled behind a warpgroup
+        barrier); one per chunk under the interpreter, whose race detector reports a TMA
+        refill after a warpgroup barrier as racing with the reads before it."""
+        return 1 if self.native else max(1, self.window // PLANE)
 
     @property
     def f8v(self) -> bool:
@@ -276,6 +286,15 @@ def value_channel_order(plan: Plan):
     )
 
 
+def window_smem_bytes(window: int, head_dim: int, padded_heads: int) -> int:
+    """Shared memory of one unit's window tail (`_Unit.attend_window`), 16-bit: one chunk of
+    64 slots of the key window [64, D] and of the value window [D, 64], q in the natural
+    order [N, D] and P [64, N]."""
+    if not window:
+        return 0
+    return 2 * (2 * PLANE * head_dim + padded_heads * head_dim + PLANE * padded_heads)
+
+
 def smem_bytes(
     tuning: TuningConfig,
     *,
@@ -284,14 +303,17 @@ def smem_bytes(
     group_size: int,
     head_dim: int = 128,
     padded_heads: int = 16,
+    window: int = 0,
 ) -> int:
-    """Shared memory of one thread block (pipeline buffers + P, q, output tiles)."""
+    """Shared memory of one thread block (pipeline buffers + P, q, output tiles, and the
+    window tail's buffers where the kernel attends `window` residual slots)."""
     TS, D, G = STEP_TOKENS, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
     W = tuning.wg_per_block
     red = reduction_scratch(padded_heads) * 4  # per-warpgroup reduction scratch (f32)
     p_bytes = 1 if tuning.fp8_values and G == D else 2  # P^T (B of the value product)
     per_wg = tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3 + red
+    per_wg += window_smem_bytes(window, D, padded_heads)
     if (
         tuning.dense_bias
         and G == D

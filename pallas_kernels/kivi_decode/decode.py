@@ -109,6 +109,29 @@ def check_inputs(
     return L, B, Hq, Hkv, D, Tq
 
 
+WINDOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_windows(windows, L, B, Hkv, D) -> int:
+    """Validates the residual windows (k_window [L, B, Hkv, W, D], v_window [L, B, Hkv, D, W],
+    one 16-bit dtype, W a positive multiple of 64); returns W."""
+    if not isinstance(windows, tuple | list) or len(windows) != 2:
+        raise ValueError("windows must be a pair (k_window, v_window)")
+    kw, vw = windows
+    if getattr(kw, "ndim", None) != 5 or tuple(kw.shape[:3]) != (L, B, Hkv) or kw.shape[4] != D:
+        raise ValueError(f"k_window must be [L={L}, B={B}, Hkv={Hkv}, W, D={D}], got {kw.shape}")
+    W = kw.shape[3]
+    if W < PLANE or W % PLANE:
+        raise NotImplementedError(f"window W={W}: only positive multiples of {PLANE}")
+    if getattr(vw, "shape", None) != (L, B, Hkv, D, W):
+        raise ValueError(f"v_window must be [L, B, Hkv, D, W] = {(L, B, Hkv, D, W)}")
+    if jnp.dtype(kw.dtype) not in WINDOW_DTYPES or kw.dtype != vw.dtype:
+        raise NotImplementedError(
+            f"windows of {kw.dtype} / {vw.dtype}: one dtype, bfloat16 or float16"
+        )
+    return W
+
+
 def q_operand(q, plan: Plan, sm_scale):
     """q [B, Hq, D] -> the key product's B tiles [B, Hkv, 1, NP, D] fp16: times sm_scale in
     float32, the padded heads zero (pack_planes without pack_zeros: q's heads repeated in
@@ -128,7 +151,18 @@ def q_operand(q, plan: Plan, sm_scale):
 
 
 def kernel_call(
-    q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale, tuning, interpret
+    q,
+    cache,
+    num_tokens,
+    layer,
+    *,
+    key_bits,
+    value_bits,
+    group_size,
+    sm_scale,
+    tuning,
+    interpret,
+    windows=None,
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
@@ -136,6 +170,7 @@ def kernel_call(
     L, B, Hq, Hkv, D, Tq = check_inputs(
         q, *cache, num_tokens, layer, key_bits, value_bits, group_size
     )
+    W = 0 if windows is None else check_windows(windows, L, B, Hkv, D)
     plan = Plan(
         tuning=tuning,
         B=B,
@@ -149,6 +184,8 @@ def kernel_call(
         G=group_size,
         interpret=interpret,
         vblock=cache[3].ndim == 6,
+        window=W,
+        window_dtype=jnp.dtype(windows[0].dtype).name if W else "bfloat16",
     )
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
@@ -164,7 +201,11 @@ def kernel_call(
     v_scale = v_scale.reshape(*v_scale.shape[:-1], Tq // VCH, VCH)  # free: splits minor dim
     v_min = v_min.reshape(*v_min.shape[:-1], Tq // VCH, VCH)
     cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
-    return build_kernel(plan, q_scale), (layer1, num_tokens, qf, *cache), plan
+    args = (layer1, num_tokens, qf, *cache)
+    if W:  # the caller's q (unless qf is already that), then the windows
+        raw = () if plan.q_in_kernel else (q.reshape(B, Hkv, plan.nq, D),)
+        args = (*args, *raw, *windows)
+    return build_kernel(plan, q_scale, sm_scale if W else None), args, plan
 
 
 @functools.partial(
@@ -172,7 +213,18 @@ def kernel_call(
     static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret"),
 )
 def _kivi_decode(
-    q, cache, num_tokens, layer, *, key_bits, value_bits, group_size, sm_scale, tuning, interpret
+    q,
+    cache,
+    num_tokens,
+    layer,
+    windows,
+    *,
+    key_bits,
+    value_bits,
+    group_size,
+    sm_scale,
+    tuning,
+    interpret,
 ):
     kern, args, plan = kernel_call(
         q,
@@ -185,6 +237,7 @@ def _kivi_decode(
         sm_scale=sm_scale,
         tuning=tuning,
         interpret=interpret,
+        windows=windows,
     )
     o, lse = kern(*args)
     if plan.cluster:  # merged in the kernel: [B, Hkv, D, NP]
@@ -217,6 +270,7 @@ def kivi_decode(
     tuning: TuningConfig | None = None,
     interpret=False,
     low_precision: bool = False,
+    windows=None,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -233,8 +287,13 @@ def kivi_decode(
     the Mosaic GPU interpreter (any backend). `low_precision`: the fp8 value product
     (`TuningConfig.fp8_values`; it applies at G = D and changes nothing elsewhere) on `tuning`
     or on choose_tuning's, the key product staying exact.
+    `windows`: (k_window [L,B,Hkv,W,D], v_window [L,B,Hkv,D,W]), the cache's residual windows
+    (bf16 or fp16, W a multiple of 64, token p of a row in slot p % W): the kernel then attends
+    the whole row, num_tokens[b] being its length n: positions [0, n - W) from the codes and
+    the min(n, W) filled slots of the windows, in one launch (docs/kernel.md).
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
-    on unsupported bits, group sizes, head dims or dtypes.
+    on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
+    shared memory beside the default tuning's pipelines.
     """
     _, B, Hq, Hkv, D, Tq = check_inputs(
         q,
@@ -266,8 +325,12 @@ def kivi_decode(
             fp8_values=low_precision,
             q_heads=Hq // Hkv,
         )
-    elif low_precision:
-        tuning = dataclasses.replace(tuning, fp8_values=True)
+        chosen = True
+    else:
+        chosen = False
+        if low_precision:
+            tuning = dataclasses.replace(tuning, fp8_values=True)
+    W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
     smem = smem_bytes(
         tuning,
         key_bits=key_bits,
@@ -275,7 +338,12 @@ def kivi_decode(
         group_size=group_size,
         head_dim=D,
         padded_heads=padded_heads(Hq // Hkv),
+        window=W,
     )
+    if smem > SMEM_LIMIT and W and chosen:
+        raise NotImplementedError(
+            f"the {W}-slot windows do not fit the shared memory beside {tuning}'s pipelines"
+        )
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"tuning={tuning} needs about {smem} bytes of shared memory "
@@ -286,6 +354,7 @@ def kivi_decode(
         (k_codes, k_scale, k_min, v_codes, v_scale, v_min),
         num_tokens,
         layer,
+        None if windows is None else tuple(windows),
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,

@@ -33,7 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kivi_decode.config import BIAS_ROWS, STEP_TOKENS, Plan
+from pallas_kernels.kivi_decode.config import (
+    BIAS_ROWS,
+    STEP_TOKENS,
+    Plan,
+    value_channel_order,
+)
 from pallas_kernels.sm90.codes import (
     code_field8,
     code_field8_reference,
@@ -135,7 +140,22 @@ class _Unit:
     methods over them (each stage reads the unit's state, none mutates another's)."""
 
     def __init__(
-        self, plan: Plan, sc: dict, gmem, o_g, lse_g, layer_g, nt_g, q_g, wg, b, h, s, q_scale
+        self,
+        plan: Plan,
+        sc: dict,
+        gmem,
+        o_g,
+        lse_g,
+        layer_g,
+        nt_g,
+        q_g,
+        wg,
+        b,
+        h,
+        s,
+        q_scale,
+        windows=None,
+        window_scale=None,
     ):
         self.plan, self.sc, self.gmem = plan, sc, gmem
         self.o_g, self.lse_g, self.q_g = o_g, lse_g, q_g
@@ -152,7 +172,17 @@ class _Unit:
         self.red_s = None if P.interpret else own("red_s")  # cross-warp reduction scratch
         self.layer = layer_g[0]
         TS = STEP_TOKENS
-        self.n = jnp.minimum(nt_g[b], P.Tq)
+        if P.window:  # nt_g: the rows' lengths; the newest W positions are the windows'
+            self.windows, self.window_scale = windows, window_scale
+            self.n_all = nt_g[b]
+            self.n = jnp.clip(self.n_all - P.window, 0, P.Tq)
+            self.kw_s, self.vw_s, self.qn_s, self.pw_s = (
+                own(k) for k in ("kw_s", "vw_s", "qn_s", "pw_s")
+            )
+            # chunk c's barrier (one per chunk buffer, per warpgroup)
+            self.win_bar = lambda c: sc["win_bar"].at[wg * P.window_buffers + c % P.window_buffers]
+        else:  # nt_g: the quantized positions to attend
+            self.n = jnp.minimum(nt_g[b], P.Tq)
         self.first = s * P.steps_per_split
         self.start = self.first * TS
         self.nsteps = jnp.clip(
@@ -895,6 +925,103 @@ class _Unit:
             init_carry=init,
         )(*self.srcs)
 
+    # ---- the residual windows -------------------------------------------------------------
+
+    @property
+    def window_unit(self):
+        """Whether this unit attends its row's windows: the row's last split, whose unit has
+        the least of the quantized region to stream (often none in short rows)."""
+        return self.s == self.plan.S - 1
+
+    def fetch_window(self, c: int = 0):
+        """Chunk c (64 slots) of the row's key window [64, D] and value window [D, 64] into
+        chunk buffer c % window_buffers (TMA, its `win_bar`; the value rows in the output's
+        channel order, `window_value_rows`). Natively one chunk's buffers: two full windows
+        would halve the blocks an SM holds."""
+        P = self.plan
+        kw_g, vw_g, _ = self.windows
+        src = lambda g: g.at[self.layer, self.b, self.h]
+        slots, buf, bar = pl.ds(c * PLANE, PLANE), c % P.window_buffers, self.win_bar(c)
+        plgpu.copy_gmem_to_smem(src(kw_g).at[slots], self.kw_s.at[buf], bar)
+        for dst, first, n in window_value_rows(P):
+            plgpu.copy_gmem_to_smem(
+                src(vw_g).at[pl.ds(first, n), slots], self.vw_s.at[buf, pl.ds(dst, n)], bar
+            )
+
+    def start_window(self):
+        """The window tail's first chunks (one per buffer) in flight, and q in the natural
+        order and the windows' dtype into qn_s (rows nq.. zero)."""
+        P = self.plan
+        for c in range(P.window_buffers):
+            self.fetch_window(c)
+        _, _, qr_g = self.windows
+        if P.native:
+            q_tile(qr_g.at[self.b, self.h], self.qn_s, nq=P.nq, scale=None, dup=False, natural=True)
+        else:
+            q = qr_g.at[self.b, self.h][...].astype(self.qn_s.dtype)
+            self.qn_s[...] = jnp.pad(q, ((0, P.NP - P.nq), (0, 0)))
+
+    def attend_window(self):
+        """The windows' attention, merged into the unit's normalized partial in o_s / lse_s.
+        Per chunk of 64 slots (chunk 0 fetched while the loop ran): S^T (64 slots, N) =
+        K_w q^T on mma.sync in the windows' 16-bit dtype (float32 sums), the slots at and past
+        min(n, W) masked, an online softmax in log2 units, P rounded to the windows' dtype as
+        the B operand of O^T (64 channels, N) += V_w^T P; then the log-sum-exp merge with the
+        partial. Order does not matter within the windows (a row's newest tokens in its
+        ring's slots), so no position is computed."""
+        P = self.plan
+        NP, dt = P.NP, jnp.dtype(P.window_dtype)
+        if P.interpret:
+            load = lambda ref, layout=None: ref[...]
+        else:
+            load = lambda ref, layout=WG_LAYOUT: plgpu.load(ref, (), layout=layout)
+        bc = lambda x: lax.broadcast_in_dim(x, (PLANE, NP), [1])
+        zero = _zeros_wg(NP)
+        slots = jnp.clip(self.n_all, 0, P.window)
+        rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, NP), 0, layout=WG_LAYOUT)
+        m = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, f32), WG_LAYOUT.reduce(0))
+        l = plgpu.layout_cast(jnp.zeros((NP,), f32), WG_LAYOUT.reduce(0))
+        accs = [zero] * P.mtiles
+        warpgroup_sync(P.interpret)  # qn_s's stores, the epilogue's o_s / lse_s stores
+        qb = mma_rhs(self.qn_s.T, P.interpret)
+        for c in range(P.window // PLANE):
+            buf = c % P.window_buffers
+            if c:  # the previous chunk's P and (one buffer) windows are read by every warp
+                warpgroup_sync(P.interpret)
+            if c >= P.window_buffers:  # then refill the buffer
+                self.fetch_window(c)
+            plgpu.barrier_wait(self.win_bar(c))
+            x = mma(zero, load(self.kw_s.at[buf]), qb, P.interpret) * self.window_scale
+            x = jnp.where(c * PLANE + rows < slots, x, -jnp.inf)
+            m_new = jnp.maximum(m, self.red(x, "max"))
+            ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - ms)
+            p = jnp.exp2(x - bc(ms))
+            l = l * alpha + self.red(p, "add")
+            self.pw_s.T[...] = plgpu.layout_cast(p.astype(dt), _WGT)
+            warpgroup_sync(P.interpret)
+            pb = mma_rhs(self.pw_s.T, P.interpret)
+            vs = lambda t, buf=buf: self.vw_s.at[buf, pl.ds(t * PLANE, PLANE)]
+            accs = [mma(a * bc(alpha), load(vs(t)), pb, P.interpret) for t, a in enumerate(accs)]
+            m = m_new
+        # the merge: weights of the partial and of the windows' sum, per head
+        ms = jnp.where(m == -jnp.inf, 0.0, m)
+        lse_m = load(self.lse_s, WG_LAYOUT.reduce(0))
+        has = l > 0
+        lse_w = jnp.where(has, (ms + jnp.log2(jnp.where(has, l, 1.0))) * LN2, -jnp.inf)
+        top = jnp.maximum(lse_m, lse_w)
+        top = jnp.where(top == -jnp.inf, 0.0, top)
+        wm, ww = jnp.exp(lse_m - top), jnp.exp(lse_w - top)
+        tot = wm + ww
+        ok = tot > 0
+        inv = jnp.where(ok, 1.0 / jnp.where(ok, tot, 1.0), 0.0)
+        fm, fw = bc(wm * inv), bc(jnp.where(has, ww * inv / jnp.where(has, l, 1.0), 0.0))
+        for t, acc in enumerate(accs):
+            tile = pl.ds(t * PLANE, PLANE)
+            self.o_s[tile, :] = load(self.o_s.at[tile]) * fm + acc * fw
+        self.lse_s[...] = jnp.where(ok, top + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+        warpgroup_sync(P.interpret)
+
     # ---- epilogue -------------------------------------------------------------------------
 
     def epilogue(self, carry):
@@ -947,6 +1074,8 @@ class _Unit:
         # log2 units -> natural log
         lse = (m_run + jnp.log2(jnp.where(ok, l, 1.0))) * float(np.log(2.0))
         lse_s[...] = jnp.where(ok, lse, -jnp.inf)
+        if P.window:
+            pl.when(self.window_unit)(self.attend_window)
         if P.cluster:
             self.merge(lax.div(self.s, jnp.int32(P.W)))
             return
@@ -980,8 +1109,24 @@ class _Unit:
             pl.when(c != 0)(lambda: plgpu.barrier_wait(sc["done"]))
 
     def run(self):
+        if self.plan.window:  # in flight while the loop runs
+            pl.when(self.window_unit)(self.start_window)
         self.load_query()
         self.epilogue(self.run_loop())
+
+
+WINDOW_ROWS = 16  # value-window rows per TMA copy where they go in the output's channel order
+LN2 = float(np.log(2.0))
+
+
+def window_value_rows(plan: Plan) -> list[tuple[int, int, int]]:
+    """The copies of the value window [D, W] into SMEM: (first SMEM row, first channel, rows)
+    of each, so that SMEM row r holds the channel of the kernel's output row r: one copy of
+    all D rows in the natural order, 16-row copies in fold_v_warp's (`value_channel_order`)."""
+    rows = value_channel_order(plan)
+    if rows is None:
+        return [(0, 0, plan.D)]
+    return [(r, int(rows[r]), WINDOW_ROWS) for r in range(0, plan.D, WINDOW_ROWS)]
 
 
 def _block_index(ndim, axis, blk, i):
@@ -1045,16 +1190,32 @@ def scratch_buffers(plan: Plan) -> dict:
         scratch["ready"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=W)
         if P.cluster > 1:
             scratch["done"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1)
+    if P.window:  # the windows, q in the natural order, P; the windows' barrier
+        dt = jnp.dtype(P.window_dtype)
+        nb = P.window_buffers
+        kw, vw = per_wg(nb, PLANE, D), per_wg(nb, D, PLANE)
+        scratch["kw_s"] = plgpu.SMEM(kw, dt, transforms=swizzle_transforms(dt, D))
+        scratch["vw_s"] = plgpu.SMEM(vw, dt, transforms=swizzle_transforms(dt, PLANE))
+        scratch["qn_s"] = plgpu.SMEM(per_wg(NP, D), dt, transforms=swizzle_transforms(dt, D))
+        scratch["pw_s"] = plgpu.SMEM(
+            per_wg(NP, PLANE), dt, transforms=swizzle_transforms(dt, PLANE)
+        )
+        copies = 1 + len(window_value_rows(P))
+        scratch["win_bar"] = plgpu.Barrier(num_arrivals=copies, num_barriers=W * nb)
     if P.native:  # the cross-warp reductions' scratch (`warpgroup_reduce`, `warpgroup_max_open`)
         scratch["red_s"] = plgpu.SMEM(per_wg(reduction_scratch(NP)), f32)
     return scratch
 
 
-def build_kernel(plan: Plan, q_scale: float | None = None):
-    """The kernel of one launch: (layer [1], num_tokens [B], q, *cache) -> (o, lse) partials
-    [B, Hkv, S, D, NP], [B, Hkv, S, NP] (merge_splits: the merged rows [B, Hkv, D, NP],
-    [B, Hkv, NP]). q_scale: the kernel takes the caller's q [B, Hkv, nq, D] and runs its
-    prologue itself (`q_prologue`); None: q comes prepared [B, Hkv, 1, NP, D] fp16."""
+def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float | None = None):
+    """The kernel of one launch: (layer [1], num_tokens [B], q, *cache[, q_raw], windows...)
+    -> (o, lse) partials [B, Hkv, S, D, NP], [B, Hkv, S, NP] (merge_splits: the merged rows
+    [B, Hkv, D, NP], [B, Hkv, NP]). q_scale: the kernel takes the caller's q [B, Hkv, nq, D]
+    and runs its prologue itself (`q_prologue`); None: q comes prepared [B, Hkv, 1, NP, D]
+    fp16. With `plan.window`: num_tokens holds the rows' lengths, and after the cache come the
+    caller's q [B, Hkv, nq, D] (unless q_scale already makes q_g that), the key windows
+    [L, B, Hkv, W, D] and the value windows [L, B, Hkv, D, W]; window_scale is the logits'
+    scale (log2 units)."""
     P = plan
     W, S, C, Hkv = P.W, P.S, P.cluster, P.Hkv
     scratch = scratch_buffers(P)
@@ -1063,11 +1224,30 @@ def build_kernel(plan: Plan, q_scale: float | None = None):
     def kivi_decode_sm90(layer_g, nt_g, q_g, *refs):
         if P.tuning.pdl and P.native:  # the preceding kernels' outputs are visible after it
             plgpu.griddepcontrol_wait()
-        gmem = refs[:6]
-        o_g, lse_g, *scratch_refs = refs[6:]
+        gmem, refs = refs[:6], refs[6:]
+        windows = None
+        if P.window:
+            qr_g = q_g if q_scale is not None else refs[0]
+            refs = refs if q_scale is not None else refs[1:]
+            windows, refs = (*refs[:2], qr_g), refs[2:]
+        o_g, lse_g, *scratch_refs = refs
         sc = dict(zip(names, scratch_refs, strict=True))
         unit = lambda wg, b, h, s: _Unit(
-            P, sc, gmem, o_g, lse_g, layer_g, nt_g, q_g, wg, b, h, s, q_scale
+            P,
+            sc,
+            gmem,
+            o_g,
+            lse_g,
+            layer_g,
+            nt_g,
+            q_g,
+            wg,
+            b,
+            h,
+            s,
+            q_scale,
+            windows,
+            window_scale,
         ).run()
         if C:  # one cluster of C blocks per row (b, h); split s = c W + wg
             wg = lax.axis_index("wg") if W > 1 else 0

@@ -15,8 +15,9 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.kivi_decode.config import STEP_TOKENS, TuningConfig, choose_tuning
-from pallas_kernels.kivi_decode.decode import check_inputs
+from pallas_kernels.kivi_decode.decode import check_inputs, check_windows
 from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
+from pallas_kernels.merge import merge_partials
 from pallas_kernels.sm90.codes import f8_field_spec
 from pallas_kernels.sm90.layout import PLANE
 
@@ -60,6 +61,7 @@ def kivi_decode_reference(
     tuning=None,
     interpret=False,
     fp8_values: bool = False,
+    windows=None,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -85,6 +87,10 @@ def kivi_decode_reference(
     )
     G, nq = group_size, Hq // Hkv
     f32 = jnp.float32
+    if windows is not None:  # num_tokens: the rows' lengths; the newest W are the windows'
+        W = check_windows(windows, L, B, Hkv, D)
+        n_all = jnp.asarray(num_tokens, jnp.int32)
+        num_tokens = jnp.clip(n_all - W, 0, Tq)
     take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
     sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
     kc = unpack_tokens(sel(k_codes), key_bits, axis=2)  # [B, Hkv, Tq, D]
@@ -147,4 +153,21 @@ def kivi_decode_reference(
     ok = tot > 0
     o = jnp.where(ok[..., None], o / jnp.where(ok, tot, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
+    if windows is not None:
+        kw, vw = (sel(x).astype(f32) for x in windows)  # [B, Hkv, W, D], [B, Hkv, D, W]
+        s = jnp.einsum("bhnd,bhwd->bhnw", qs, kw, precision="highest")
+        held = jnp.arange(W)[None, :] < jnp.clip(n_all, 0, W)[:, None]  # [B, W]
+        s = jnp.where(held[:, None, None], s, -jnp.inf)
+        m = s.max(axis=-1, keepdims=True)
+        pw = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+        lw = pw.sum(axis=-1)
+        has = lw > 0
+        ow = jnp.einsum("bhnw,bhdw->bhnd", pw, vw, precision="highest")
+        ow = jnp.where(has[..., None], ow / jnp.where(has, lw, 1.0)[..., None], 0.0)
+        lsew = jnp.where(
+            has,
+            jnp.where(jnp.isfinite(m[..., 0]), m[..., 0], 0.0) + jnp.log(jnp.where(has, lw, 1.0)),
+            -jnp.inf,
+        )
+        o, lse = merge_partials(jnp.stack([o, ow]), jnp.stack([lse, lsew]))
     return o.reshape(B, Hq, D), lse.reshape(B, Hq)

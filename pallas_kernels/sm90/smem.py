@@ -445,7 +445,7 @@ def zero_smem(ref, transforms=()):
     zero(ref)
 
 
-def q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
+def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool = False):
     """The query's prologue inside the kernel (`TuningConfig.q_prologue`): the nq query heads
     of one kv head, q_ref [nq, D] bf16/fp16 in GMEM, to the key product's B tile q_s [NP, D]
     fp16 (tiling (8, 64), 128-byte swizzle): times `scale` in float32, in the `PERM16`
@@ -454,14 +454,19 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
     XLA before the launch, one fusion per call. Thread t takes one 16-column block of one row
     (NP D / 16 of them): two 16-byte loads, the words 0, 2, 4, 6 of the block to its first
     output chunk and 1, 3, 5, 7 to its second (the order `PERM16` puts the column pairs in).
-    The caller orders the stores before the tile's readers (`reduce.warpgroup_sync`,
+    natural: the natural contraction order and q_s's dtype instead (times `scale` unless it is
+    None): the B operand of the window tail's key product, whose A tiles are plain 16-bit
+    loads. The caller orders the stores before the tile's readers (`reduce.warpgroup_sync`,
     `commit_smem` for wgmma). Native only."""
     NP, D = q_s.shape[-2:]
     blocks = D // 16
     dt = q_ref.dtype
 
+    mlir_type = lambda x: ir.BF16Type.get() if x == jnp.bfloat16 else ir.F16Type.get()
+    out_dt = q_s.dtype if natural else jnp.float16
+
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(transforms=swizzle_transforms(jnp.float16, 64)))
+        arg_types=(plgpu.RefType(), plgpu.RefType(transforms=swizzle_transforms(out_dt, 64)))
     )
     def prologue(_, src, dst):
         i8, i32, f32 = (
@@ -470,17 +475,21 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
             ir.F32Type.get(),
         )
         v4 = ir.VectorType.get((4,), i32)
-        e2 = ir.VectorType.get((2,), ir.BF16Type.get() if dt == jnp.bfloat16 else ir.F16Type.get())
-        h2, f2 = ir.VectorType.get((2,), ir.F16Type.get()), ir.VectorType.get((2,), f32)
-        sc = arith.constant(f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, scale)))
+        e2 = ir.VectorType.get((2,), mlir_type(dt))
+        h2, f2 = ir.VectorType.get((2,), mlir_type(out_dt)), ir.VectorType.get((2,), f32)
+        sc = arith.constant(
+            f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, scale or 1.0))
+        )
         zero = arith.constant(v4, ir.DenseElementsAttr.get_splat(v4, ir.IntegerAttr.get(i32, 0)))
         tid = arith.andi(mgpu_utils.thread_idx(), const_i32(127))
         src_base, dst_base = mgpu_utils.memref_ptr(src), mgpu_utils.memref_ptr(dst)
 
-        def conv(w):  # two q elements -> fp16(scale * x) as one word
+        def conv(w):  # two q elements -> out_dt(scale * x) as one word
+            if scale is None and out_dt == dt:
+                return w
             x = vector.bitcast(e2, vector.broadcast(ir.VectorType.get((1,), i32), w))
             x = arith.extf(f2, x)
-            y = arith.truncf(h2, arith.mulf(x, sc))
+            y = arith.truncf(h2, x if scale is None else arith.mulf(x, sc))
             return vector.extract(
                 vector.bitcast(ir.VectorType.get((1,), i32), y),
                 dynamic_position=[],
@@ -534,7 +543,9 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float, dup: bool):
                         ),
                         arith.muli(arith.xori(ch, r8), const_i32(16)),
                     )
-                    out = vector.from_elements(v4, [words[2 * j + half] for j in range(4)])
+                    # PERM16: the even words to the first chunk, the odd ones to the second
+                    idx = [4 * half + j if natural else 2 * j + half for j in range(4)]
+                    out = vector.from_elements(v4, [words[k] for k in idx])
                     llvm.store(out, mgpu_utils.getelementptr(dst_base, [byte], i8), alignment=16)
 
     prologue(q_ref, q_s)
