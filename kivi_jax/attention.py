@@ -286,15 +286,13 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
         windows=windows,
+        max_len=cache.max_len if windows else 0,
     )
     finish = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if cache.windows_aligned and cache.keys.window % 64 == 0:
         # One launch: the kernel attends the windows too (where they fit its shared memory).
         try:
-            o, lse = call(
-                jnp.minimum(cache.lengths, cache.max_len),
-                (cache.keys.residual, cache.values.residual),
-            )
+            o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
             return finish(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass

@@ -68,6 +68,25 @@ def test_window_launches_cross_lower_for_sm90(case):
     cross_lower(case)
 
 
+def test_window_gating():
+    """choose_tuning with windows: the launch sizes as without them; where the windows' chunk
+    buffers fit, the q prologue in the kernel, and a one-wave launch of one warpgroup per
+    block merges its splits there; the four-warpgroup anchor launch stays as it was (the
+    windows are then attended outside the kernel)."""
+    kw = dict(key_bits=2, value_bits=2, group_size=128, q_heads=4)
+    for B, T in ((1, 1280), (1, 8448), (8, 8448), (8, 131072)):
+        bare, win = choose_tuning(B, 8, T, **kw), choose_tuning(B, 8, T, **kw, window=128)
+        sizes = lambda t: (t.num_splits, t.stages, t.wg_per_block, t.warp_softmax)
+        assert sizes(win) == sizes(bare)
+        fits = smem_bytes(bare, key_bits=2, value_bits=2, group_size=128, padded_heads=8,
+                          window=128) <= SMEM_LIMIT  # fmt: skip
+        assert win.q_prologue == (fits or bare.q_prologue)
+        one_wave = fits and win.wg_per_block == 1 and B * 8 * win.num_splits <= 132
+        assert win.merge_splits == (bare.merge_splits or (one_wave and win.num_splits <= 8))
+    assert choose_tuning(1, 8, 1280, **kw, window=128).merge_splits
+    assert choose_tuning(8, 8, 131072, **kw, window=128) == choose_tuning(8, 8, 131072, **kw)
+
+
 @pytest.mark.parametrize("kbg", ["2:128", "2:32"])
 def test_dense_bias_cross_lowers_for_sm90(kbg):
     """choose_tuning's anchor launch with dense_bias through the real sm_90 lowering (native

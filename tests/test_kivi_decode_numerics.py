@@ -25,6 +25,7 @@ from kivi_decode_cases import (
     anchor,
     case_cache,
     case_plan,
+    case_windows,
     compare,
     ids,
     interpreter,
@@ -63,6 +64,25 @@ def test_interpret_tuning_flags_match_reference(case):
 def test_interpret_windows_match_reference(case):
     """The residual windows attended in the kernel and merged into the row's last split."""
     run_case(case, 5, interpreter())
+
+
+def test_windows_cap_the_lengths_at_max_len():
+    """An overflowed row (length past the cache's max_len) attends its first max_len tokens:
+    the kernel's cap gives the bits of lengths clamped before the call, and the twin's."""
+    case = WINDOW_CASES[0]
+    cache, q = case_cache(case, 2), make_q(3, case.B, case.Hq, case.D, case.dtype)
+    windows = case_windows(case, 2)
+    over = jnp.asarray([900, 641, 0], jnp.int32)
+    call = lambda n, cap: kivi_decode(
+        q, *cache, n, 1, **case.kw, tuning=case.tuning, interpret=interpreter(),
+        windows=windows, max_len=cap,
+    )  # fmt: skip
+    o, lse = call(over, 640)
+    co, clse = call(jnp.minimum(over, 640), 0)
+    np.testing.assert_array_equal(o, co)
+    np.testing.assert_array_equal(lse, clse)
+    ro, rlse = kivi_decode_reference(q, *cache, over, 1, **case.kw, windows=windows, max_len=640)
+    compare(o, lse, ro, rlse, 4e-3)
 
 
 def test_windows_that_do_not_fit_raise_not_implemented():

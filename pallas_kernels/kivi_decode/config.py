@@ -117,9 +117,11 @@ class Plan:
     G: int  # group size
     interpret: bool
     vblock: bool  # value codes stored in blocks of 64 byte columns (2-bit caches)
-    # the residual windows attended in the kernel: W slots (0: none) in window_dtype
+    # the residual windows attended in the kernel: W slots (0: none) in window_dtype, the
+    # rows' lengths (num_tokens) capped at length_cap (the cache's max_len; 0: no cap)
     window: int = 0
     window_dtype: str = "bfloat16"
+    length_cap: int = 0
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)
@@ -341,6 +343,7 @@ def choose_tuning(
     wg_per_block: int | None = None,
     fp8_values: bool = False,
     q_heads: int = 8,
+    window: int = 0,
 ) -> TuningConfig:
     """Launch parameters for (B, Hkv, Tq) on an H200 (132 SMs).
 
@@ -352,6 +355,10 @@ def choose_tuning(
     4 bits one warpgroup per block is as fast or faster. The features follow what paid on the
     H200 per shape (docs/kernel.md). `stages` and `wg_per_block` override the defaults;
     `q_heads` (query heads per kv head) sizes P and the q / output tiles in shared memory.
+    `window`: residual-window slots the kernel attends too: where their chunk buffers fit
+    beside the launch chosen without them, the q prologue runs in the kernel (which reads the
+    caller's q for them anyway), and a one-wave launch of one warpgroup per block merges its
+    splits in the kernel; the launch sizes are chosen as without windows.
     """
     if max_tokens % STEP_TOKENS:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {STEP_TOKENS}")
@@ -434,4 +441,15 @@ def choose_tuning(
         and 1 <= C <= 2
         and -(-bh * S // wg_per_block) <= num_sms
     )
-    return dataclasses.replace(out, merge_splits=fused, pdl=fused, q_prologue=fused)
+    out = dataclasses.replace(out, merge_splits=fused, pdl=fused, q_prologue=fused)
+    if window and size(out, window=window) <= SMEM_LIMIT:
+        # With the windows in the kernel, a launch of one wave whose rows fit a cluster also
+        # merges its splits there: then nothing but the output's transpose runs around it.
+        one_wave = wg_per_block == 1 and bh * S <= num_sms and S <= MAX_CLUSTER
+        out = dataclasses.replace(
+            out,
+            q_prologue=True,
+            merge_splits=fused or one_wave,
+            pdl=fused or one_wave,
+        )
+    return out

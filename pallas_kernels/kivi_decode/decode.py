@@ -163,6 +163,7 @@ def kernel_call(
     tuning,
     interpret,
     windows=None,
+    max_len=0,
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
@@ -186,6 +187,7 @@ def kernel_call(
         vblock=cache[3].ndim == 6,
         window=W,
         window_dtype=jnp.dtype(windows[0].dtype).name if W else "bfloat16",
+        length_cap=max_len if W else 0,
     )
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
@@ -210,7 +212,15 @@ def kernel_call(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "tuning", "interpret"),
+    static_argnames=(
+        "key_bits",
+        "value_bits",
+        "group_size",
+        "sm_scale",
+        "tuning",
+        "interpret",
+        "max_len",
+    ),
 )
 def _kivi_decode(
     q,
@@ -219,6 +229,7 @@ def _kivi_decode(
     layer,
     windows,
     *,
+    max_len,
     key_bits,
     value_bits,
     group_size,
@@ -238,6 +249,7 @@ def _kivi_decode(
         tuning=tuning,
         interpret=interpret,
         windows=windows,
+        max_len=max_len,
     )
     o, lse = kern(*args)
     if plan.cluster:  # merged in the kernel: [B, Hkv, D, NP]
@@ -271,6 +283,7 @@ def kivi_decode(
     interpret=False,
     low_precision: bool = False,
     windows=None,
+    max_len: int = 0,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -290,7 +303,8 @@ def kivi_decode(
     `windows`: (k_window [L,B,Hkv,W,D], v_window [L,B,Hkv,D,W]), the cache's residual windows
     (bf16 or fp16, W a multiple of 64, token p of a row in slot p % W): the kernel then attends
     the whole row, num_tokens[b] being its length n: positions [0, n - W) from the codes and
-    the min(n, W) filled slots of the windows, in one launch (docs/kernel.md).
+    the min(n, W) filled slots of the windows, in one launch (docs/kernel.md); `max_len` > 0
+    caps n (the cache's capacity: an overflowed row attends its first max_len tokens).
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
     shared memory beside the default tuning's pipelines.
@@ -324,6 +338,7 @@ def kivi_decode(
             head_dim=D,
             fp8_values=low_precision,
             q_heads=Hq // Hkv,
+            window=0 if windows is None else windows[0].shape[3],
         )
         chosen = True
     else:
@@ -355,6 +370,7 @@ def kivi_decode(
         num_tokens,
         layer,
         None if windows is None else tuple(windows),
+        max_len=int(max_len),
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,

@@ -174,7 +174,7 @@ class _Unit:
         TS = STEP_TOKENS
         if P.window:  # nt_g: the rows' lengths; the newest W positions are the windows'
             self.windows, self.window_scale = windows, window_scale
-            self.n_all = nt_g[b]
+            self.n_all = jnp.minimum(nt_g[b], P.length_cap) if P.length_cap else nt_g[b]
             self.n = jnp.clip(self.n_all - P.window, 0, P.Tq)
             self.kw_s, self.vw_s, self.qn_s, self.pw_s = (
                 own(k) for k in ("kw_s", "vw_s", "qn_s", "pw_s")

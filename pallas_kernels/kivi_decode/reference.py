@@ -41,7 +41,15 @@ def _running_max(x, tuning: TuningConfig):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "fp8_values", "tuning"),
+    static_argnames=(
+        "key_bits",
+        "value_bits",
+        "group_size",
+        "sm_scale",
+        "fp8_values",
+        "tuning",
+        "max_len",
+    ),
 )
 def kivi_decode_reference(
     q,
@@ -62,6 +70,7 @@ def kivi_decode_reference(
     interpret=False,
     fp8_values: bool = False,
     windows=None,
+    max_len: int = 0,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -90,6 +99,8 @@ def kivi_decode_reference(
     if windows is not None:  # num_tokens: the rows' lengths; the newest W are the windows'
         W = check_windows(windows, L, B, Hkv, D)
         n_all = jnp.asarray(num_tokens, jnp.int32)
+        if max_len:
+            n_all = jnp.minimum(n_all, max_len)
         num_tokens = jnp.clip(n_all - W, 0, Tq)
     take = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(f32)
     sel = lambda x: lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
