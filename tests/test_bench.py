@@ -176,6 +176,23 @@ def test_kernel_grid_dry_run_writes_rows_and_env(tmp_path, capsys):
     assert "| 2 | 256 | 2/2 | 32 |" in capsys.readouterr().out
 
 
+def test_call_cost_dry_run_times_the_call_and_counts_its_launches(tmp_path, capsys):
+    from bench import call_cost
+
+    out = tmp_path / "cost.json"
+    rows = call_cost.main(["--dry-run", "--json", str(out)])
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 256), (2, 512)]
+    for r in rows:
+        assert r["call_us"] > 0 and r["tail_us"] > 0 and "kernel_us" not in r
+        # the reference path is all XLA: no custom call, several fusions per call
+        assert r["launches_per_call"]["custom_calls"] == 0
+        assert r["launches_per_call"]["fusions"] >= 1
+    res = json.loads(out.read_text())
+    assert res["rows"] == rows
+    assert res["env"]["command"].endswith("bench.call_cost --dry-run --json " + str(out))
+    assert "fusions/call" in capsys.readouterr().out
+
+
 def test_kernel_grid_check_compares_against_the_reference():
     rows, ok = kernel_grid.check(
         [(2, 2, 32), (4, 4, 128)], hq=16, implementation="folded", tokens=512
