@@ -85,6 +85,30 @@ def test_windows_cap_the_lengths_at_max_len():
     compare(o, lse, ro, rlse, 4e-3)
 
 
+def test_windows_non_finite_keys_give_nan_never_a_finite_output():
+    """A held window key whose logit is -inf (q . k past float32) gives NaN in the heads of
+    its kv head, as `kivi_jax.attention` documents; a -inf key in a slot past the row's
+    length is masked and changes nothing."""
+    case = WINDOW_CASES[0]
+    cache, q = case_cache(case, 4), make_q(5, case.B, case.Hq, case.D, case.dtype)
+    q = jnp.abs(q)  # every channel's product with a huge negative key is negative
+    kw, vw = case_windows(case, 4)
+    big = jnp.finfo(case.dtype).max
+    nt = jnp.asarray(case.lengths, jnp.int32)  # (640, 100, 0)
+    kw = kw.at[1, 0, 1, 5].set(-big)  # row 0, kv head 1: a held slot
+    kw = kw.at[1, 1, 0, 110].set(-big)  # row 1 holds 100 slots: slot 110 is not held
+    args = (q, *cache, nt, 1)
+    o, lse = kivi_decode(*args, **case.kw, tuning=case.tuning, interpret=interpreter(),
+                         windows=(kw, vw))  # fmt: skip
+    ro, rlse = kivi_decode_reference(*args, **case.kw, windows=(kw, vw))
+    nq = case.Hq // case.Hkv
+    for out in (o, ro):
+        out = np.asarray(out)
+        assert np.isnan(out[0, nq : 2 * nq]).all()  # kv head 1 of row 0
+        assert np.isfinite(np.delete(out, np.s_[nq : 2 * nq], axis=1)[0]).all()
+        assert np.isfinite(out[1]).all()
+
+
 def test_windows_that_do_not_fit_raise_not_implemented():
     """choose_tuning's four-warpgroup launch leaves no shared memory for the windows: the
     call declines (NotImplementedError: `decode_attention` then attends them outside)."""

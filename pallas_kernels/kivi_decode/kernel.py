@@ -992,7 +992,10 @@ class _Unit:
                 self.fetch_window(c)
             plgpu.barrier_wait(self.win_bar(c))
             x = mma(zero, load(self.kw_s.at[buf]), qb, P.interpret) * self.window_scale
-            x = jnp.where(c * PLANE + rows < slots, x, -jnp.inf)
+            # a held logit of -inf (an infinite key, or q . k past float32) becomes NaN, as in
+            # `kivi_jax.attention`: at -inf it would weigh 0, the key silently ignored
+            held = c * PLANE + rows < slots
+            x = jnp.where(held, jnp.where(x == -jnp.inf, jnp.nan, x), -jnp.inf)
             m_new = jnp.maximum(m, self.red(x, "max"))
             ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - ms)
@@ -1007,13 +1010,13 @@ class _Unit:
         # the merge: weights of the partial and of the windows' sum, per head
         ms = jnp.where(m == -jnp.inf, 0.0, m)
         lse_m = load(self.lse_s, WG_LAYOUT.reduce(0))
-        has = l > 0
+        has = l != 0  # (not l > 0: a NaN sum, a non-finite window key, stays NaN)
         lse_w = jnp.where(has, (ms + jnp.log2(jnp.where(has, l, 1.0))) * LN2, -jnp.inf)
         top = jnp.maximum(lse_m, lse_w)
         top = jnp.where(top == -jnp.inf, 0.0, top)
         wm, ww = jnp.exp(lse_m - top), jnp.exp(lse_w - top)
         tot = wm + ww
-        ok = tot > 0
+        ok = tot != 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, tot, 1.0), 0.0)
         fm, fw = bc(wm * inv), bc(jnp.where(has, ww * inv / jnp.where(has, l, 1.0), 0.0))
         for t, acc in enumerate(accs):

@@ -168,11 +168,12 @@ def kivi_decode_reference(
         kw, vw = (sel(x).astype(f32) for x in windows)  # [B, Hkv, W, D], [B, Hkv, D, W]
         s = jnp.einsum("bhnd,bhwd->bhnw", qs, kw, precision="highest")
         held = jnp.arange(W)[None, :] < jnp.clip(n_all, 0, W)[:, None]  # [B, W]
-        s = jnp.where(held[:, None, None], s, -jnp.inf)
+        # a held logit of -inf becomes NaN (the kernel's rule, `kivi_jax.attention`'s)
+        s = jnp.where(held[:, None, None], jnp.where(s == -jnp.inf, jnp.nan, s), -jnp.inf)
         m = s.max(axis=-1, keepdims=True)
         pw = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         lw = pw.sum(axis=-1)
-        has = lw > 0
+        has = lw != 0  # (a NaN sum stays NaN)
         ow = jnp.einsum("bhnw,bhdw->bhnd", pw, vw, precision="highest")
         ow = jnp.where(has[..., None], ow / jnp.where(has, lw, 1.0)[..., None], 0.0)
         lsew = jnp.where(
