@@ -12,6 +12,7 @@ from kivi_jax.cache import (
     make_cache,
 )
 from kivi_jax.config import KiviConfig
+from kivi_jax.parallel import sequence_parallel_attention
 from kivi_jax.quant import (
     QuantizedTensor,
     dequantize,
@@ -40,6 +41,7 @@ __all__ = [
     "quantize",
     "quantize_keys",
     "quantize_values",
+    "sequence_parallel_attention",
     "unpack",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,167 @@
+"""Sequence-parallel decode attention: a KIVI cache whose token axes are sharded over a mesh axis.
+
+Each device attends over the quantized positions it holds (the Pallas kernel on a Hopper GPU,
+the folded jnp form elsewhere), the device of the first shard also over the residual windows
+(replicated: every device holds each row's newest tokens), and the partial results, normalized
+outputs and log-sum-exps, are merged across the axis by one max and two sums of B x Hq x
+(D + 1) floats. No cache byte crosses devices. Built with `jax.shard_map`, so what runs is what
+is written here, whatever the compiler would have chosen for the global computation.
+
+The sharding follows the logical axis rules of `kivi_jax.sharding` (`LONG_CONTEXT_RULES`: rows
+over "data", kv heads over "model", tokens over "seq"); the query's rows and heads follow the
+cache's rows and kv heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from kivi_jax.attention import (
+    _check_query,
+    _check_scale,
+    _group_query,
+    _kernel_applies,
+    merge_partials,
+    quantized_region_folded,
+    tail_attention,
+)
+from kivi_jax.cache import BLOCK_TOKENS, KiviCache, check_layer
+from kivi_jax.sharding import LONG_CONTEXT_RULES, logical_to_mesh
+
+IMPLEMENTATIONS = ("auto", "folded", "pallas")
+
+
+def _mesh_axis(rules: Mapping, name: str) -> str | None:
+    axis = rules.get(name)
+    if axis is not None and not isinstance(axis, str):
+        raise ValueError(f"rule {name!r} -> {axis!r}: one mesh axis name (or None) expected")
+    return axis
+
+
+def _local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, interpret):
+    """(o [B, Hkv, r, D], lse [B, Hkv, r]) of this device's quantized positions, and on the
+    first shard of `seq_axis` the windows too."""
+    shard = lax.axis_index(seq_axis)
+    cap = cache.keys.capacity  # this shard's positions [shard * cap, (shard + 1) * cap)
+    m = cache.quantized_split()  # global: lengths and windows are replicated over the axis
+    m_local = jnp.clip(m - shard * cap, 0, cap)
+    if impl == "pallas":
+        from pallas_kernels import kivi_decode as kernel
+
+        k, v = cache.keys, cache.values
+        o, lse = kernel.kivi_decode(
+            q,
+            k.codes,
+            k.scale,
+            k.minimum,
+            v.codes,
+            v.scale,
+            v.minimum,
+            m_local,
+            layer,
+            key_bits=cache.config.key_bits,
+            value_bits=cache.config.value_bits,
+            group_size=cache.config.group_size,
+            sm_scale=scale,
+            interpret=interpret,
+        )
+        main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
+    else:
+        main = quantized_region_folded(qg, cache.keys, cache.values, layer, m_local)
+    o_w, lse_w = tail_attention(qg, cache, layer, m)
+    lse_w = jnp.where(shard == 0, lse_w, -jnp.inf)  # the windows count once
+    return merge_partials([main, (o_w, lse_w)])
+
+
+def _merge_across(o: Array, lse: Array, axis: str) -> Array:
+    """The log-sum-exp merge of every device's (o, lse) along mesh `axis`: one max and two
+    sums. Empty everywhere: o = 0. A NaN part stays NaN."""
+    top = lax.pmax(lse, axis)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)
+    num = lax.psum(w[..., None] * o, axis)
+    den = lax.psum(w, axis)
+    return jnp.where((den == 0)[..., None], 0.0, num / jnp.where(den == 0, 1.0, den)[..., None])
+
+
+def sequence_parallel_attention(
+    q: Array,
+    cache: KiviCache,
+    layer,
+    *,
+    mesh: Mesh,
+    rules: Mapping | None = None,
+    implementation: str = "auto",
+    scale: float | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Decode attention over `layer` of a KIVI cache whose token axes are sharded over a mesh
+    axis (`rules["cache_seq"]`, default `LONG_CONTEXT_RULES`: "seq"), computed where the tokens
+    are; returns [B, Hq, D] in q.dtype, equal to `decode_attention` up to float32 rounding.
+
+    implementation: "pallas" (the kernel per shard, Hopper GPUs, or `interpret=True`),
+    "folded" (jnp), "auto" (the kernel where it applies, else "folded"). The cache's arrays
+    may be sharded already (`kivi_jax.sharding.shard_cache` with the same rules) or not (they
+    are then moved). Raises ValueError for a token axis the rules do not map, a capacity that
+    does not split into whole blocks of 256 tokens per shard, or an unknown implementation;
+    NotImplementedError for caches whose key and value windows differ (R < G: the tail would
+    read quantized values of other shards).
+    """
+    rules = LONG_CONTEXT_RULES if rules is None else rules
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(cache, KiviCache):
+        raise ValueError(f"cache must be a KiviCache, got {type(cache).__name__}")
+    _check_query(q, cache)
+    scale = _check_scale(scale, q.shape[-1])
+    seq_axis = _mesh_axis(rules, "cache_seq")
+    if seq_axis is None or seq_axis not in mesh.axis_names:
+        raise ValueError(f"rules map the tokens to {seq_axis!r}, not an axis of {mesh.axis_names}")
+    for name in ("cache_seq_packed", "cache_seq_groups"):
+        if _mesh_axis(rules, name) != seq_axis:
+            raise ValueError(f"rule {name!r} must map to the tokens' axis {seq_axis!r}")
+    shards = mesh.shape[seq_axis]
+    if cache.keys.capacity % (BLOCK_TOKENS * shards):
+        raise ValueError(
+            f"capacity {cache.keys.capacity} does not split into whole blocks of {BLOCK_TOKENS} "
+            f"tokens over {shards} shards of {seq_axis!r}: make max_len a multiple of "
+            f"{BLOCK_TOKENS * shards}"
+        )
+    if not cache.windows_aligned:
+        raise NotImplementedError(
+            "sequence-parallel attention needs key and value windows of one size (R >= G)"
+        )
+    impl = implementation
+    if impl == "auto":
+        impl = "pallas" if _kernel_applies(q, cache) else "folded"
+    layer, in_range = check_layer(layer, cache.num_layers)
+    specs = jax.tree.map(
+        lambda s: logical_to_mesh(s, rules),
+        cache.logical_axes(),
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+    q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)
+
+    def local(q, cache, layer):
+        qg = _group_query(q, cache.kv_heads, scale)
+        o, lse = _local_attention(qg, q, cache, layer, seq_axis, impl, scale, interpret)
+        return _merge_across(o, lse, seq_axis).reshape(q.shape).astype(q.dtype)
+
+    layer = jnp.asarray(layer, jnp.int32)
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit axes: shard_map takes arrays as they are placed (no-ops where they are);
+        # under Auto axes it places them itself.
+        place = lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec))
+        q, layer = place(q, q_spec), place(layer, jax.P())
+        cache = jax.tree.map(place, cache, specs)
+    o = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, specs, jax.P()), out_specs=q_spec, check_vma=False
+    )(q, cache, layer)
+    if in_range is not None:  # a traced layer out of range: never another layer's answer
+        o = jnp.where(in_range, o, jnp.nan).astype(q.dtype)
+    return o

@@ -1,0 +1,132 @@
+"""Sequence-parallel decode attention (`kivi_jax.parallel`) on 8 fake CPU devices
+(tests/conftest.py): equal to the unsharded call, and nothing of the cache crosses devices."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import kivi_jax as kj
+from kivi_jax.sharding import LONG_CONTEXT_RULES, shard_cache
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+L, HKV, HQ, D = 2, 2, 8, 128
+# ragged rows: long, all tokens on the first of 4 shards, empty, just past the window
+LENGTHS = [1900, 300, 0, 129]
+
+
+def _mesh(data, model, seq, explicit=False):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(
+        (data, model, seq),
+        ("data", "model", "seq"),
+        axis_types=(kind,) * 3,
+        devices=jax.devices()[: data * model * seq],
+    )
+
+
+def _cache(name, group_size, max_len=2048, residual=128, lengths=LENGTHS, seed=0):
+    c = kj.make_cache(
+        name,
+        num_layers=L,
+        batch=len(lengths),
+        kv_heads=HKV,
+        head_dim=D,
+        max_len=max_len,
+        dtype=jnp.float32,
+        residual_length=residual,
+        group_size=group_size,
+    )
+    s = max(max(lengths), 1)
+    k, v = (
+        jax.random.normal(jax.random.key(seed + i), (L, len(lengths), HKV, s, D)) for i in (0, 1)
+    )
+    return c.prefill(k, v, jnp.asarray(lengths, jnp.int32))
+
+
+def _query(batch, seed=7):
+    return jax.random.normal(jax.random.key(seed), (batch, HQ, D), jnp.float32)
+
+
+CASES = [
+    ("kivi2", 32, (2, 1, 4)),
+    ("kivi4", 64, (1, 2, 4)),
+    ("k4v2", 128, (1, 1, 8)),
+    ("kivi2", 128, (2, 2, 2)),
+    ("kivi2", 32, (1, 1, 1)),  # a mesh of one: the same program on one device
+]
+
+
+@pytest.mark.parametrize("name,group,mesh_shape", CASES, ids=str)
+def test_sharded_equals_unsharded(name, group, mesh_shape):
+    mesh = _mesh(*mesh_shape)
+    cache = _cache(name, group)
+    q = _query(cache.batch)
+    want = kj.decode_attention(q, cache, 1, implementation="reference")
+    sharded = shard_cache(cache, mesh, LONG_CONTEXT_RULES)
+    f = jax.jit(
+        lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh, implementation="folded")
+    )
+    got = f(q, sharded)
+    # float32 rounding of the folded form and of the merge: ~1e-6 of max |o|
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
+    assert np.all(np.asarray(got)[2] == 0)  # the empty row
+
+
+def test_explicit_mesh_and_a_traced_layer():
+    mesh = _mesh(2, 1, 4, explicit=True)
+    cache = _cache("kivi2", 32)
+    q = _query(cache.batch)
+    sharded = shard_cache(cache, mesh, LONG_CONTEXT_RULES)
+    f = jax.jit(lambda q, c, layer: kj.sequence_parallel_attention(q, c, layer, mesh=mesh))
+    for layer in (0, 1):
+        want = kj.decode_attention(q, cache, layer, implementation="reference")
+        got = f(q, sharded, jnp.int32(layer))
+        np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
+    assert np.isnan(np.asarray(f(q, sharded, jnp.int32(5)))).all()  # out of range: NaN
+
+
+def test_no_cache_bytes_cross_devices_and_each_holds_its_share():
+    mesh = _mesh(2, 1, 4)
+    cache = _cache("kivi2", 32)
+    sharded = shard_cache(cache, mesh, LONG_CONTEXT_RULES)
+    tq = cache.keys.capacity
+    for store in (sharded.keys, sharded.values):
+        shard = store.scale.addressable_shards[0].data
+        assert store.scale.shape[-2 if store.axis == "channel" else -1] == (
+            tq // (32 if store.axis == "channel" else 1)
+        )
+        # 1/4 of the token axis of every quantized array per device (rows over "data")
+        assert shard.size * 8 == store.scale.size
+        assert store.codes.addressable_shards[0].data.size * 8 == store.codes.size
+    q = _query(cache.batch)
+    f = jax.jit(lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh))
+    hlo = f.lower(q, sharded).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter", hlo)
+    # the merge: all-reduces of the partial outputs and log-sum-exps only (rows 2, heads 8)
+    for line in hlo.splitlines():
+        if " all-reduce(" in line:
+            shapes = re.findall(r"f32\[([\d,]+)\]", line.split("all-reduce(")[0])
+            assert shapes and all(
+                np.prod([int(x) for x in s.split(",")]) <= 2 * 8 * D for s in shapes
+            )
+
+
+def test_errors():
+    mesh = _mesh(2, 1, 4)
+    q = _query(4)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        kj.sequence_parallel_attention(
+            q, _cache("kivi2", 32, max_len=1280, lengths=[900, 1, 0, 5]), 0, mesh=mesh
+        )
+    with pytest.raises(NotImplementedError, match="R >= G"):
+        kj.sequence_parallel_attention(q, _cache("kivi2", 32, residual=0), 0, mesh=mesh)
+    no_seq = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match="not an axis"):
+        kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=no_seq)
+    with pytest.raises(ValueError, match="implementation"):
+        kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=mesh, implementation="x")
