@@ -3,6 +3,7 @@
     bash bench/aot_setup.sh        # once: .venv-aot with jax[cuda13] (plugin + PJRT)
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128,2:32 --out /tmp/ptx
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:32 --flags "num_splits=12;stages=3" --out DIR
+    .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128 --window 128 --out DIR  # windows in
     python -m bench.sass_static /tmp/ptx/*.ptx --nvdisasm ...
 
 The CUDA PJRT plugin compiles for a `GpuTargetConfigProto` (bench/h200_target_config.txtpb)
