@@ -12,7 +12,11 @@ from kivi_jax.cache import (
     make_cache,
 )
 from kivi_jax.config import KiviConfig
-from kivi_jax.parallel import sequence_parallel_attention
+from kivi_jax.parallel import (
+    sequence_parallel_append,
+    sequence_parallel_attention,
+    sequence_parallel_prefill,
+)
 from kivi_jax.quant import (
     QuantizedTensor,
     dequantize,
@@ -41,7 +45,9 @@ __all__ = [
     "quantize",
     "quantize_keys",
     "quantize_values",
+    "sequence_parallel_append",
     "sequence_parallel_attention",
+    "sequence_parallel_prefill",
     "unpack",
 ]
 __version__ = "0.1.0"

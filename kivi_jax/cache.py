@@ -287,10 +287,16 @@ class QuantizedStore:
             minimum=at(self.minimum).set(mn.astype(self.minimum.dtype), mode="drop"),
         )
 
-    def write(self, layer, pos: Array, x: Array, valid: Array) -> QuantizedStore:
+    def _local(self, pos: Array, valid: Array, origin) -> tuple[Array, Array]:
+        """Positions pos (global) as this store's (its slot 0 holds position `origin`: a shard
+        of the token axis, `KiviCache.seq_axis`), valid only where the store holds them."""
+        local = pos - origin
+        return local, valid & (local >= 0) & (local < self.capacity)
+
+    def write(self, layer, pos: Array, x: Array, valid: Array, origin=0) -> QuantizedStore:
         """Store token x [B, Hkv, D] at positions pos [B] of `layer` where valid [B]: into its
         window slot pos % W (what left that slot was quantized by `flush`), or, with no
-        window, quantized at once."""
+        window, quantized at once (where this store holds pos: `origin`, `_local`)."""
         nb = x.shape[0]
         w = self.window
         b = jnp.arange(nb)
@@ -299,9 +305,9 @@ class QuantizedStore:
             idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))
             res = self.residual.at[idx].set(x.astype(self.residual.dtype), mode="drop")
             return dataclasses.replace(self, residual=res)
-        return self._put_tokens(layer, b, x, pos, valid)
+        return self._put_tokens(layer, b, x, *self._local(pos, valid, origin))
 
-    def flush(self, pos: Array, valid: Array) -> QuantizedStore:
+    def flush(self, pos: Array, valid: Array, origin=0) -> QuantizedStore:
         """Quantize, in every layer, what the write of position pos [B] (`valid` [B]: rows
         that write) is about to replace in the window: per token, the token at pos - W; per
         channel, the block [pos - W, pos) when pos starts a new block. Runs once per decode
@@ -309,20 +315,21 @@ class QuantizedStore:
 
         Done for all layers at once, every read of the windows comes before any write of
         them: inside the layer loop the read had no data path to the next layer's write, and
-        XLA copied the [L, ...] window, scales and codes, per layer, to keep both.
+        XLA copied the [L, ...] window, scales and codes, per layer, to keep both. Codes and
+        scales are written only where this store holds the positions (`origin`, `_local`).
         """
         if self.window == 0:
             return self
         if self.axis == "channel":
-            store, out = self._flush_block(pos, valid)
+            store, out = self._flush_block(pos, valid, origin)
         else:
-            store, out = self._flush_token(pos, valid)
+            store, out = self._flush_token(pos, valid, origin)
         # The window comes out of the barrier after the reads above: the layers' in-place
         # writes of the vacated slots are ordered after them.
         residual, _ = jax.lax.optimization_barrier((self.residual, out))
         return dataclasses.replace(store, residual=residual)
 
-    def _flush_token(self, pos, valid):
+    def _flush_token(self, pos, valid, origin):
         nl, nb, _, w, _ = self.window_tokens().shape
         b = jnp.arange(nb)
         if self.transposed:
@@ -330,15 +337,16 @@ class QuantizedStore:
         else:
             out_x = self.residual[:, b, :, pos % w]
         out_x = out_x.transpose(1, 0, 2, 3)  # [L, B, H, D]
-        store = self._put_tokens(
-            jnp.arange(nl)[:, None], b[None], out_x, (pos - w)[None], (valid & (pos >= w))[None]
-        )
+        local, ok = self._local(pos - w, valid & (pos >= w), origin)
+        store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
         return store, out_x
 
-    def _flush_block(self, pos, valid):
+    def _flush_block(self, pos, valid, origin):
         nl, nb, nh, w, d = self.window_tokens().shape
         g = self.group_size
-        flush = valid & (pos >= w) & (pos % w == 0)  # the window holds [pos - W, pos), whole
+        # the window holds [pos - W, pos), whole; its block is this store's if it starts here
+        # (a store's positions are whole blocks: its capacity is a multiple of W)
+        start, flush = self._local(pos - w, valid & (pos >= w) & (pos % w == 0), origin)
 
         def quantize(store):
             codes, scale, mn = minmax_quantize(
@@ -347,7 +355,6 @@ class QuantizedStore:
                 axis=-2,
                 scale_dtype=store.scale.dtype,
             )
-            start = pos - w
             rows, shifts = token_rows(start[:, None] + jnp.arange(w), store.bits)  # [B, W]
             rows = jnp.where(flush[:, None], rows, store.packed_len)
             vals = codes.reshape(nl, nb, nh, w, d).transpose(0, 1, 3, 2, 4)  # [L, B, W, H, D]
@@ -379,14 +386,21 @@ class QuantizedStore:
         idx = jnp.where(valid, cache_slot(pos), self.scale.shape[-1])
         return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
 
-    def prefill(self, x: Array, lengths: Array) -> QuantizedStore:
-        """The canonical store for x [L, B, Hkv, S, D] with rows holding `lengths` tokens."""
+    def prefill(self, x: Array, lengths: Array, origin=None) -> QuantizedStore:
+        """The canonical store for x [L, B, Hkv, S, D] with rows holding `lengths` tokens; with
+        `origin`, this store holds positions [origin, origin + capacity) of them (a shard of
+        the token axis, `KiviCache.seq_axis`)."""
         nl, nb, nh, s, d = x.shape
         g, w, tq = self.group_size, self.window, self.capacity
-        s_pad = _round_up(s, BLOCK_TOKENS)
-        xp = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, s_pad - s), (0, 0)))
+        pad = lambda a, n: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, n), (0, 0)))
+        if origin is None:  # the prompt's blocks only: the rest of the capacity stays zero
+            s_pad = _round_up(s, BLOCK_TOKENS)
+            xp, t = pad(x, s_pad - s), jnp.arange(s_pad)
+        else:  # a start past the prompt is clamped back onto its padding: nothing kept there
+            s_pad = tq
+            xp = jax.lax.dynamic_slice_in_dim(pad(x, tq), origin, tq, axis=3)
+            t = origin + jnp.arange(tq)
         nq = self.num_quantized(lengths)
-        t = jnp.arange(s_pad)
         keep = (t[None, :] < nq[:, None])[None, :, None]  # [1, B, 1, S_pad]
         if self.axis == "channel":
             codes, scale, mn = minmax_quantize(
@@ -614,6 +628,16 @@ class KiviCache(_CacheOps):
     lengths: Array  # [B] int32: tokens held per row
     config: KiviConfig = dataclasses.field(metadata=static)
     max_len: int = dataclasses.field(metadata=static)
+    # Inside `jax.shard_map` over a mesh axis that splits the token axes: its name, so that the
+    # stores hold positions [shard * capacity, (shard + 1) * capacity) and write only those
+    # (`kivi_jax.parallel`); None everywhere else.
+    seq_axis: str | None = dataclasses.field(default=None, metadata=static)
+
+    def _origin(self):
+        """The position of this store's first quantized slot (0 unless sharded, `seq_axis`)."""
+        if self.seq_axis is None:
+            return 0
+        return jax.lax.axis_index(self.seq_axis) * self.keys.capacity
 
     @staticmethod
     def init(
@@ -674,10 +698,11 @@ class KiviCache(_CacheOps):
         return _kivi_prefill(self, k, v, *self._prefill_lengths(k, v, lengths))
 
     def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> KiviCache:
+        origin = None if self.seq_axis is None else self._origin()
         return dataclasses.replace(
             self,
-            keys=self.keys.prefill(k, lengths),
-            values=self.values.prefill(v, lengths),
+            keys=self.keys.prefill(k, lengths, origin),
+            values=self.values.prefill(v, lengths, origin),
             lengths=recorded,
         )
 
@@ -686,18 +711,20 @@ class KiviCache(_CacheOps):
         new token's slot held is quantized (`QuantizedStore.flush`): `write` then fills it."""
         c = super().advance()
         pos, valid = c._write_position()
+        o = c._origin()
         return dataclasses.replace(
-            c, keys=c.keys.flush(pos, valid), values=c.values.flush(pos, valid)
+            c, keys=c.keys.flush(pos, valid, o), values=c.values.flush(pos, valid, o)
         )
 
     def write(self, layer, k: Array, v: Array) -> KiviCache:
         """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer` (after
         `advance`, which starts the step for all layers)."""
         layer, pos, valid = self._check_token(layer, k, v)
+        o = self._origin()
         return dataclasses.replace(
             self,
-            keys=self.keys.write(layer, pos, k, valid),
-            values=self.values.write(layer, pos, v, valid),
+            keys=self.keys.write(layer, pos, k, valid, o),
+            values=self.values.write(layer, pos, v, valid, o),
         )
 
     def nbytes(self) -> CacheBytes:

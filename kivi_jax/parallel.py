@@ -1,11 +1,18 @@
-"""Sequence-parallel decode attention: a KIVI cache whose token axes are sharded over a mesh axis.
+"""Sequence parallelism: a KIVI cache whose token axes are sharded over a mesh axis, attended
+and written where its tokens are.
 
-Each device attends over the quantized positions it holds (the Pallas kernel on a Hopper GPU,
-the folded jnp form elsewhere), the device of the first shard also over the residual windows
-(replicated: every device holds each row's newest tokens), and the partial results, normalized
-outputs and log-sum-exps, are merged across the axis by one max and two sums of B x Hq x
-(D + 1) floats. No cache byte crosses devices. Built with `jax.shard_map`, so what runs is what
-is written here, whatever the compiler would have chosen for the global computation.
+Attention (`sequence_parallel_attention`): each device attends over the quantized positions
+it holds (the Pallas kernel on a Hopper GPU, the folded jnp form elsewhere), the device of the
+first shard also over the residual windows (replicated: every device holds each row's newest
+tokens), and the partial results, normalized outputs and log-sum-exps, are merged across the
+axis by one max and two sums of B x Hq x (D + 1) floats. No cache byte crosses devices. Built
+with `jax.shard_map`, so what runs is what is written here, whatever the compiler would have
+chosen for the global computation.
+
+Writes (`sequence_parallel_append`, `sequence_parallel_prefill`): inside the same shard_map
+each device's cache knows its shard (`KiviCache.seq_axis`): every device writes the new token
+into its copy of the windows, and codes and scales only at the positions it holds, so the
+result is the unsharded cache bit for bit with no communication.
 
 The sharding follows the logical axis rules of `kivi_jax.sharding` (`LONG_CONTEXT_RULES`: rows
 over "data", kv heads over "model", tokens over "seq"); the query's rows and heads follow the
@@ -14,6 +21,7 @@ cache's rows and kv heads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -119,6 +127,32 @@ def sequence_parallel_attention(
         raise ValueError(f"cache must be a KiviCache, got {type(cache).__name__}")
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
+    seq_axis, specs = _sequence_sharding(cache, mesh, rules)
+    impl = implementation
+    if impl == "auto":
+        impl = "pallas" if _kernel_applies(q, cache) else "folded"
+    layer, in_range = check_layer(layer, cache.num_layers)
+    q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)
+
+    def local(q, cache, layer):
+        qg = _group_query(q, cache.kv_heads, scale)
+        o, lse = _local_attention(qg, q, cache, layer, seq_axis, impl, scale, interpret)
+        return _merge_across(o, lse, seq_axis).reshape(q.shape).astype(q.dtype)
+
+    q, cache, layer = _place(
+        mesh, (q, cache, jnp.asarray(layer, jnp.int32)), (q_spec, specs, jax.P())
+    )
+    o = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, specs, jax.P()), out_specs=q_spec, check_vma=False
+    )(q, cache, layer)
+    if in_range is not None:  # a traced layer out of range: never another layer's answer
+        o = jnp.where(in_range, o, jnp.nan).astype(q.dtype)
+    return o
+
+
+def _sequence_sharding(cache: KiviCache, mesh: Mesh, rules: Mapping):
+    """The mesh axis of the token axes and the cache's PartitionSpecs under `rules`; checks
+    that the shards hold whole blocks and that the tail reads the windows alone."""
     seq_axis = _mesh_axis(rules, "cache_seq")
     if seq_axis is None or seq_axis not in mesh.axis_names:
         raise ValueError(f"rules map the tokens to {seq_axis!r}, not an axis of {mesh.axis_names}")
@@ -136,32 +170,73 @@ def sequence_parallel_attention(
         raise NotImplementedError(
             "sequence-parallel attention needs key and value windows of one size (R >= G)"
         )
-    impl = implementation
-    if impl == "auto":
-        impl = "pallas" if _kernel_applies(q, cache) else "folded"
-    layer, in_range = check_layer(layer, cache.num_layers)
     specs = jax.tree.map(
         lambda s: logical_to_mesh(s, rules),
         cache.logical_axes(),
         is_leaf=lambda x: isinstance(x, jax.P),
     )
-    q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)
+    return seq_axis, specs
 
-    def local(q, cache, layer):
-        qg = _group_query(q, cache.kv_heads, scale)
-        o, lse = _local_attention(qg, q, cache, layer, seq_axis, impl, scale, interpret)
-        return _merge_across(o, lse, seq_axis).reshape(q.shape).astype(q.dtype)
 
-    layer = jnp.asarray(layer, jnp.int32)
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
-        # Explicit axes: shard_map takes arrays as they are placed (no-ops where they are);
-        # under Auto axes it places them itself.
-        place = lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec))
-        q, layer = place(q, q_spec), place(layer, jax.P())
-        cache = jax.tree.map(place, cache, specs)
-    o = jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, specs, jax.P()), out_specs=q_spec, check_vma=False
-    )(q, cache, layer)
-    if in_range is not None:  # a traced layer out of range: never another layer's answer
-        o = jnp.where(in_range, o, jnp.nan).astype(q.dtype)
-    return o
+def _place(mesh: Mesh, args, specs):
+    """Explicit axes: the arguments placed as shard_map takes them (no-ops where they are
+    already); under Auto axes shard_map places them itself."""
+    if not all(t == AxisType.Explicit for t in mesh.axis_types):
+        return args
+    return jax.tree.map(
+        lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec)),
+        args,
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+
+
+def _per_shard(fn, cache: KiviCache, mesh: Mesh, rules: Mapping | None, args, arg_specs):
+    """fn(local cache, *args) -> local cache, run where the tokens are: each device's cache
+    holds its shard of the token axis (`KiviCache.seq_axis`) and writes only its positions."""
+    rules = LONG_CONTEXT_RULES if rules is None else rules
+    if not isinstance(cache, KiviCache):
+        raise ValueError(f"cache must be a KiviCache, got {type(cache).__name__}")
+    seq_axis, specs = _sequence_sharding(cache, mesh, rules)
+    if cache.keys.capacity // mesh.shape[seq_axis] % cache.keys.window:
+        raise ValueError(
+            f"each shard's {cache.keys.capacity // mesh.shape[seq_axis]} positions must be whole "
+            f"key blocks of {cache.keys.window}"
+        )
+    arg_specs = tuple(logical_to_mesh(a, rules) for a in arg_specs)
+
+    def local(cache, *args):
+        cache = fn(dataclasses.replace(cache, seq_axis=seq_axis), *args)
+        return dataclasses.replace(cache, seq_axis=None)
+
+    cache, *args = _place(mesh, (cache, *args), (specs, *arg_specs))
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(specs, *arg_specs), out_specs=specs, check_vma=False
+    )(cache, *args)
+
+
+def sequence_parallel_append(cache: KiviCache, k: Array, v: Array, *, mesh: Mesh, rules=None):
+    """`cache.append(k, v)` (k, v [L, B, Hkv, D]) on a cache whose token axes are sharded over
+    a mesh axis: every device writes the token into its replicated windows and quantizes what
+    leaves them only where it holds the positions, so no cache byte crosses devices. Equal to
+    the unsharded append bit for bit. Errors as `sequence_parallel_attention`'s."""
+    spec = jax.P(None, "batch", "kv_heads", None)
+    return _per_shard(lambda c, k, v: c.append(k, v), cache, mesh, rules, (k, v), (spec, spec))
+
+
+def sequence_parallel_prefill(
+    cache: KiviCache, k: Array, v: Array, lengths: Array, *, mesh: Mesh, rules=None
+):
+    """`cache.prefill(k, v, lengths)` (k, v [L, B, Hkv, S, D], replicated over the token
+    axis's mesh axis) on a cache whose token axes are sharded over it: each device quantizes
+    only the positions it holds. Equal to the unsharded prefill bit for bit. Errors as
+    `sequence_parallel_attention`'s, and `KiviCache.prefill`'s."""
+    spec = jax.P(None, "batch", "kv_heads", None, None)
+    return _per_shard(
+        lambda c, k, v, n: c.prefill(k, v, n),
+        cache,
+        mesh,
+        rules,
+        (k, v, jnp.asarray(lengths)),
+        (spec, spec, jax.P("batch")),
+    )
