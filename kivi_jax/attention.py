@@ -367,6 +367,10 @@ def decode_attention(
     does not apply ("xla" and "cudnn" on a KIVI cache included). A traced layer outside
     [0, L) gives NaN (and a checkify check, `kivi_jax.cache.check_layer`); a non-finite key or
     value gives NaN in the rows and heads that attend to it (docs/what_happens_when.md).
+    On a KIVI cache that holds one shard of the token axes (`cache.seq_axis` set, inside
+    `jax.shard_map` over that axis, as `kivi_jax.parallel` runs it) the attention is
+    sequence-parallel: this device's tokens, merged across the axis ("folded" for
+    "reference").
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -378,7 +382,12 @@ def decode_attention(
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
-    if isinstance(cache, DenseCache):
+    if isinstance(cache, KiviCache) and cache.seq_axis is not None:
+        # inside shard_map over the token axes: this device's tokens, merged across the axis
+        from kivi_jax.parallel import shard_attention
+
+        o = shard_attention(qg, q, cache, layer, impl, scale, interpret)
+    elif isinstance(cache, DenseCache):
         o = _dense(q, qg, cache, layer, impl, scale)
     elif impl in ("xla", "cudnn"):
         raise NotImplementedError(f"{impl!r} attention reads dense caches only")

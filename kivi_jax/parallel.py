@@ -86,6 +86,25 @@ def _local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, inte
     return merge_partials([main, (o_w, lse_w)])
 
 
+def shard_attention(qg, q, cache: KiviCache, layer, implementation, scale, interpret) -> Array:
+    """`decode_attention` on a cache that holds one shard of the token axes, inside
+    `jax.shard_map` over `cache.seq_axis`: this device's part, merged across the axis ->
+    [B, Hkv, r, D]. implementation: "pallas" the kernel; "reference" / "folded" the folded jnp
+    form; "auto" the kernel where it applies."""
+    if not cache.windows_aligned:
+        raise NotImplementedError(
+            "sequence-parallel attention needs key and value windows of one size (R >= G)"
+        )
+    if implementation not in ("auto", "pallas", "folded", "reference"):
+        raise NotImplementedError(f"{implementation!r} on a sequence-sharded cache")
+    impl = implementation
+    if impl == "auto":
+        impl = "pallas" if _kernel_applies(q, cache) else "folded"
+    axis = cache.seq_axis
+    o, lse = _local_attention(qg, q, cache, layer, axis, impl, scale, interpret)
+    return _merge_across(o, lse, axis)
+
+
 def _merge_across(o: Array, lse: Array, axis: str) -> Array:
     """The log-sum-exp merge of every device's (o, lse) along mesh `axis`: one max and two
     sums. Empty everywhere: o = 0. A NaN part stays NaN."""
@@ -136,8 +155,9 @@ def sequence_parallel_attention(
 
     def local(q, cache, layer):
         qg = _group_query(q, cache.kv_heads, scale)
-        o, lse = _local_attention(qg, q, cache, layer, seq_axis, impl, scale, interpret)
-        return _merge_across(o, lse, seq_axis).reshape(q.shape).astype(q.dtype)
+        cache = dataclasses.replace(cache, seq_axis=seq_axis)
+        o = shard_attention(qg, q, cache, layer, impl, scale, interpret)
+        return o.reshape(q.shape).astype(q.dtype)
 
     q, cache, layer = _place(
         mesh, (q, cache, jnp.asarray(layer, jnp.int32)), (q_spec, specs, jax.P())

@@ -172,3 +172,30 @@ def test_sharded_prefill_and_appends_equal_unsharded_bit_for_bit(name, group, me
     _gathered_equal(got, want)
     hlo = append.lower(got, kt, vt).compile().as_text()
     assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce", hlo)
+
+
+def test_decode_attention_inside_a_users_shard_map():
+    """A cache that knows its shard (`seq_axis`, inside shard_map) makes `decode_attention`
+    itself sequence-parallel: what a model's layer code calls, unchanged."""
+    import dataclasses
+
+    mesh = _mesh(1, 1, 4)
+    cache = _cache("kivi2", 32)
+    q = _query(cache.batch)
+    want = kj.decode_attention(q, cache, 1, implementation="reference")
+    specs = jax.tree.map(
+        lambda s: kj.sharding.logical_to_mesh(s, LONG_CONTEXT_RULES),
+        cache.logical_axes(),
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+
+    def step(q, c):
+        c = dataclasses.replace(c, seq_axis="seq")
+        return kj.decode_attention(q, c, 1, implementation="reference")
+
+    sm = jax.shard_map(
+        step, mesh=mesh, in_specs=(jax.P(), specs), out_specs=jax.P(), check_vma=False
+    )
+    f = jax.jit(sm)
+    got = f(q, shard_cache(cache, mesh, LONG_CONTEXT_RULES))
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
