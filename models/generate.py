@@ -12,6 +12,7 @@ row's length and the cache attends to [0, lengths[b]) per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -134,7 +135,10 @@ def _decode_loop(
     num_slots: int,
     sampling: Sampling,
     implementation: str,
+    rows_axis: str | None = None,
 ) -> LoopState:
+    """rows_axis: inside shard_map with the rows split over that mesh axis, every shard loops
+    until all rows of all shards are done (the same trip count everywhere)."""
     B = logits.shape[0]
 
     def pick(logits, rng, step, done):
@@ -153,7 +157,10 @@ def _decode_loop(
     )
 
     def cond(s: LoopState):
-        return (s.step < max_new) & ~jnp.all(s.done)
+        all_done = jnp.all(s.done)
+        if rows_axis is not None:
+            all_done = jax.lax.pmin(all_done.astype(jnp.int32), rows_axis) > 0
+        return (s.step < max_new) & ~all_done
 
     def body(s: LoopState):
         logits, cache = llama.decode_step(
@@ -274,6 +281,69 @@ def _cache_kw(group_size, residual_length, params):
     return kw
 
 
+def _mesh_rules(mesh, rules):
+    """The rules of a generation over `mesh`: the cache's token axes over "seq", rows over
+    "data" where the mesh has it; kv heads stay whole (the weights are replicated)."""
+    if rules is None:
+        rules = {
+            "batch": "data" if "data" in mesh.axis_names else None,
+            "cache_seq": "seq",
+            "cache_seq_packed": "seq",
+            "cache_seq_groups": "seq",
+        }
+    if rules.get("kv_heads") is not None and mesh.shape[rules["kv_heads"]] > 1:
+        raise NotImplementedError("kv heads over a mesh axis need tensor-parallel weights")
+    if rules.get("cache_seq") not in mesh.axis_names:
+        raise ValueError(f"generation over a mesh needs its tokens' axis in {mesh.axis_names}")
+    return rules
+
+
+def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implementation):
+    """(prefill, decode loop) over `mesh`: the model replicated on every device, each device's
+    cache one shard of the token axes (`kivi_jax.parallel`: attended and written where the
+    tokens are), rows over the rows' axis."""
+    import dataclasses as dc
+
+    from kivi_jax.sharding import logical_to_mesh
+
+    P = jax.P
+    seq, rows_axis = rules["cache_seq"], rules.get("batch")
+    specs = jax.tree.map(
+        lambda x: logical_to_mesh(x, rules),
+        cache.logical_axes(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    row = P(rows_axis)
+    local = lambda c: dc.replace(c, seq_axis=seq)
+    plain = lambda c: dc.replace(c, seq_axis=None)
+
+    def prefill(params, tokens, lengths, c):
+        logits, c = llama.prefill(params, config, tokens, lengths, local(c))
+        return logits, plain(c)
+
+    def loop(params, logits, c, rng, max_new, stops):
+        state = _decode_loop(
+            params,
+            logits,
+            local(c),
+            rng,
+            max_new,
+            stops,
+            config=config,
+            num_slots=num_slots,
+            sampling=sampling,
+            implementation=implementation,
+            rows_axis=rows_axis,
+        )
+        return dc.replace(state, cache=plain(state.cache))
+
+    state_specs = LoopState(step=P(), done=row, tokens=row, last=row, cache=specs, rng=P())
+    smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False)
+    prefill = smap(prefill, (P(), row, row, specs), (row, specs))
+    loop = smap(loop, (P(), row, specs, P(), P(), P()), state_specs)
+    return jax.jit(prefill, donate_argnums=3), jax.jit(loop, donate_argnums=2)
+
+
 def decode_layout(params):
     """The params layout to decode with on this backend.
 
@@ -301,6 +371,8 @@ def generate(
     implementation: str = "reference",
     group_size: int | None = None,
     residual_length: int | None = None,
+    mesh=None,
+    rules=None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
 
@@ -308,12 +380,24 @@ def generate(
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params)` to skip that copy on repeated calls.
+
+    mesh (a `jax.sharding.Mesh` with a "seq" axis, optionally "data"): a KIVI cache's token
+    axes split over "seq" and attended and written where the tokens are
+    (`kivi_jax.parallel`), rows over "data", the weights replicated; `rules` as
+    `kivi_jax.sharding`'s (default: that). The capacity is rounded up to whole blocks of 256
+    tokens per shard. Greedy output equals the unsharded one up to float32 rounding.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     params = decode_layout(params)
-    tokens, lengths = make_prompt_batch(prompts)
     check_token_ids(prompts, config)
+    n_prompts = len(prompts)
+    if mesh is not None:
+        rules = _mesh_rules(mesh, rules)
+        # rows split over the rows' axis: pad the batch with copies of the last prompt
+        split = mesh.shape[rules["batch"]] if rules.get("batch") else 1
+        prompts = list(prompts) + [prompts[-1]] * (-len(prompts) % split)
+    tokens, lengths = make_prompt_batch(prompts)
     B, S = tokens.shape
     N = bucket(max_new_tokens)
     max_len = S + N
@@ -325,28 +409,44 @@ def generate(
         )
     dtype = params["embed"].dtype
     kw = _cache_kw(group_size, residual_length, params)
+    if mesh is not None:
+        if kivi_jax.cache_config(cache) is None:
+            raise ValueError(f"generation over a mesh needs a KIVI cache, got {cache!r}")
+        per = 256 * mesh.shape[rules["cache_seq"]]
+        max_len = -(-max_len // per) * per
     c = new_cache(cache, config, B, max_len, dtype, **kw)
     dense16 = jax.eval_shape(lambda: new_cache("fp16", config, B, max_len, jnp.bfloat16))
     dense16_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense16))
     cache_bytes = c.nbytes().total
 
+    run_prefill = lambda params, tokens, lengths, c: prefill_jit(params, config, tokens, lengths, c)
+    run_loop = functools.partial(
+        decode_loop_jit,
+        config=config,
+        num_slots=N,
+        sampling=sampling,
+        implementation=implementation,
+    )
+    if mesh is not None:  # the weights replicated on every device of the mesh
+        params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+        c = kivi_jax.sharding.shard_cache(c, mesh, rules)
+        run_prefill, run_loop = _sharded_programs(
+            mesh, rules, c, config, N, sampling, implementation
+        )
+
     _, comp0 = compile_stats()
     t0 = time.perf_counter()
-    logits, c = prefill_jit(params, config, tokens, lengths, c)
+    logits, c = run_prefill(params, tokens, lengths, c)
     logits.block_until_ready()
     t1 = time.perf_counter()
     _, comp1 = compile_stats()
-    state = decode_loop_jit(
+    state = run_loop(
         params,
         logits,
         c,
         jax.random.key(seed),
         jnp.int32(max_new_tokens),
         _pad_stops(stop_ids),
-        config=config,
-        num_slots=N,
-        sampling=sampling,
-        implementation=implementation,
     )
     out = np.asarray(state.tokens)
     steps = int(state.step)
@@ -355,13 +455,13 @@ def generate(
     kivi_jax.check_capacity(state.cache)
     stops = set(int(s) for s in stop_ids)
     rows, stopped = [], []
-    for r in out[:, :steps].tolist():
+    for r in out[:n_prompts, :steps].tolist():
         cut = next((i + 1 for i, t in enumerate(r) if t in stops), None)
         rows.append(r[:cut] if cut else r)
         stopped.append(cut is not None)
     return Generation(
         tokens=rows,
-        prompt_lengths=[len(p) for p in prompts],
+        prompt_lengths=[len(p) for p in prompts[:n_prompts]],
         stopped=stopped,
         cache_bytes=int(cache_bytes),
         dense16_cache_bytes=int(dense16_bytes),

@@ -5,6 +5,7 @@ scripts/make_hf_fixture.py), the KIVI cache against the dense one, compile count
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -142,3 +143,57 @@ def test_compile_cache_only_on_gpus(tmp_path, monkeypatch):
     assert ("jax_compilation_cache_dir", str(tmp_path / "xla")) in calls
     monkeypatch.setenv("KIVI_JAX_NO_COMPILE_CACHE", "1")
     assert enable_compile_cache() is None
+
+
+@pytest.fixture(scope="module")
+def kivi_short_window(smol):
+    """Greedy KIVI-2 with R = G = 32: the prompts (up to 37 tokens) and 24 new ones cross
+    key-block and value flushes, so the quantized region is attended."""
+    config, params, _ = smol
+    kw = dict(cache="kivi2", max_new_tokens=24, group_size=32, residual_length=32)
+    return kw, G.generate(params, config, [c["ids"] for c in CASES], **kw)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.parametrize("shape,names", [((4,), ("seq",)), ((2, 4), ("data", "seq"))], ids=str)
+def test_greedy_over_a_seq_mesh_equals_unsharded(smol, kivi_short_window, shape, names):
+    """The cache's tokens split over "seq" (rows over "data": three prompts padded to four),
+    attended and written where they are: the same greedy tokens as on one device."""
+    config, params, _ = smol
+    kw, want = kivi_short_window
+    mesh = jax.make_mesh(
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+        devices=jax.devices()[: int(np.prod(shape))],
+    )
+    got = G.generate(params, config, [c["ids"] for c in CASES], mesh=mesh, **kw)
+    assert got.tokens == want.tokens
+    assert got.max_len % (256 * 4) == 0
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_seq_mesh_decode_loop_moves_no_cache_bytes(smol):
+    """The compiled decode loop over data=2 x seq=4: its only collectives are all-reduces (the
+    attention merge's max and sums, the loop's all-done vote), none of a cache array's size."""
+    import jax.numpy as jnp
+
+    import kivi_jax
+
+    config, params, _ = smol
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = G._mesh_rules(mesh, None)
+    c = G.new_cache("kivi2", config, 4, 1024, jnp.float32, group_size=32, residual_length=32)
+    c = kivi_jax.sharding.shard_cache(c, mesh, rules)
+    params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    _, loop = G._sharded_programs(mesh, rules, c, config, 16, G.GREEDY, "reference")
+    logits = jnp.zeros((4, config.vocab_size), jnp.float32)
+    args = (params, logits, c, jax.random.key(0), jnp.int32(8), G._pad_stops([]))
+    hlo = loop.lower(*args).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter", hlo)
+    smallest_cache_array = min(x.size // 8 for x in jax.tree.leaves(c) if x.ndim >= 4)
+    for line in hlo.splitlines():
+        if " all-reduce(" in line:
+            shapes = re.findall(r"\w+\[([\d,]*)\]", line.split(" all-reduce(")[0])
+            sizes = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+            assert max(sizes) < smallest_cache_array, line[:160]
