@@ -59,6 +59,60 @@ def check_dtype(dtype: str, flag: str = "--dtype") -> str:
     return dtype
 
 
+MESH_AXES = ("data", "seq")
+
+
+def parse_mesh(spec: str | None, flag: str = "--mesh") -> dict[str, int] | None:
+    """`seq=4` or `data=2,seq=4` -> {"data": 2, "seq": 4} (None: no mesh). "seq" (the cache's
+    tokens) is required, "data" (rows) optional; sizes are positive ints."""
+    if spec is None:
+        return None
+    axes = {}
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1 or name in axes:
+            raise ValueError(
+                f"{flag} {spec!r}: expected comma-separated axis=size pairs over "
+                f"{', '.join(MESH_AXES)} with positive sizes, e.g. data=2,seq=4"
+            )
+        axes[name] = int(size)
+    if "seq" not in axes:
+        raise ValueError(f"{flag} {spec!r}: the seq axis (the cache's tokens) is required")
+    return {name: axes[name] for name in MESH_AXES if name in axes}
+
+
+def make_mesh(axes: dict[str, int], flag: str = "--mesh"):
+    """The Mesh of `parse_mesh`'s axes over this machine's first devices."""
+    import math
+
+    import jax
+
+    n = math.prod(axes.values())
+    if len(jax.devices()) < n:
+        raise ValueError(f"{flag} needs {n} devices, this machine has {len(jax.devices())}")
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes),
+        axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+        devices=jax.devices()[:n],
+    )
+
+
+def host_devices(axes: dict[str, int] | None) -> None:
+    """Ask for as many CPU host devices as the mesh has (before JAX starts its backends), so
+    that a mesh runs on a CPU too; a backend already started keeps its devices."""
+    import math
+
+    import jax
+
+    if axes:
+        try:
+            jax.config.update("jax_num_cpu_devices", math.prod(axes.values()))
+        except RuntimeError:  # backends already initialized: make_mesh reports a shortfall
+            pass
+
+
 def check_positive(value: int | None, flag: str) -> None:
     """`value` >= 1 (None: the flag was not given, nothing to check)."""
     if value is not None and value < 1:

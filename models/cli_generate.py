@@ -58,6 +58,12 @@ def generate(
     stream: bool = typer.Option(
         False, "--stream", help="Print tokens as they come (one jitted step per token)."
     ),
+    mesh: str | None = typer.Option(
+        None,
+        "--mesh",
+        help="Split the KIVI cache's tokens over devices: seq=N, or data=M,seq=N (rows over "
+        "data too); on a CPU that many host devices are created.",
+    ),
 ) -> None:
     """Generate text with SmolLM2 (or another Llama-family model) over a quantized KV cache."""
     import jax
@@ -78,6 +84,12 @@ def generate(
         checks.check_implementation(implementation, [cache])
         sampling = checks.sampling_from_flags(greedy, temperature, top_p, top_k)
         checks.check_model_source(model)
+        mesh_axes = checks.parse_mesh(mesh)
+        if mesh_axes and cache == "fp16":
+            raise ValueError("--mesh splits a KIVI cache's tokens: pick a KIVI --cache")
+        if mesh_axes and stream:
+            raise ValueError("--mesh runs the jitted generation loop: drop --stream")
+    checks.host_devices(mesh_axes)  # before the first JAX computation
     enable_compile_cache()
 
     status = sys.stderr
@@ -125,6 +137,7 @@ def generate(
             params,
             config,
             [ids],
+            mesh=checks.make_mesh(mesh_axes) if mesh_axes else None,
             cache=cache,
             max_new_tokens=max_new_tokens,
             sampling=sampling,

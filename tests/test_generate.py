@@ -197,3 +197,30 @@ def test_seq_mesh_decode_loop_moves_no_cache_bytes(smol):
             shapes = re.findall(r"\w+\[([\d,]*)\]", line.split(" all-reduce(")[0])
             sizes = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
             assert max(sizes) < smallest_cache_array, line[:160]
+
+
+def test_cli_mesh_makes_host_devices_and_matches_one_device(cache_dir, kivi_short_window):
+    """`kivi-jax generate --mesh seq=4` in a fresh process on a CPU: the CLI creates the four
+    host devices and prints the one-device greedy tokens."""
+    import os
+    import subprocess
+    import sys
+
+    kw, want = kivi_short_window
+    case = CASES[1]
+    exe = Path(sys.executable).with_name("kivi-jax")
+    args = ["generate", "--prompt", case["prompt"], "--no-chat-template", "--json", "--greedy"]
+    args += ["--cache", "kivi2", "--group-size", "32", "--residual-length", "32"]
+    args += ["--max-new-tokens", str(kw["max_new_tokens"]), "--mesh", "seq=4"]
+    res = subprocess.run(
+        [str(exe), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KIVI_JAX_CACHE_DIR": str(cache_dir), "JAX_PLATFORMS": "cpu"},
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    greedy = want.tokens[1]
+    assert out["generated_tokens"] == greedy[: len(out["generated_tokens"])]
+    assert len(out["generated_tokens"]) >= 8
