@@ -232,3 +232,26 @@ def test_evaluate_passkey_runs_every_cache_on_the_same_prompts():
         passkey.evaluate_passkey(
             tiny_params(), TINY, ModTokenizer(96), specs, lengths=(256,), max_positions=128
         )
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.parametrize("shape,names", [((4,), ("seq",)), ((2, 4), ("data", "seq"))], ids=str)
+def test_streaming_over_a_seq_mesh_equals_one_device(shape, names):
+    """The streaming protocol with the KIVI cache's tokens over "seq" (three windows padded to
+    four over "data"): the same NLL as on one device, to float32 rounding."""
+    mesh = jax.make_mesh(
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+        devices=jax.devices()[: int(np.prod(shape))],
+    )
+    spec = ppl.CacheSpec("kivi2", 16, 16)  # P = 40, T = 24: flushes and a quantized region
+    kw = dict(prefill_len=P, batch_size=None)
+    want = ppl.streaming_nll(tiny_params(), TINY, tiny_windows(), spec, **kw)
+    got = ppl.streaming_nll(tiny_params(), TINY, tiny_windows(), spec, mesh=mesh, **kw)
+    assert got.shape == want.shape == (N, T)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="KIVI"):
+        ppl.streaming_nll(
+            tiny_params(), TINY, tiny_windows(), ppl.CacheSpec("fp16"), mesh=mesh, **kw
+        )

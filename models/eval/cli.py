@@ -53,6 +53,13 @@ def ppl_cmd(
     ] = "auto",
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    mesh: Annotated[
+        str | None,
+        typer.Option(
+            help="Split the KIVI cache's tokens over devices (streaming): seq=N or "
+            "data=M,seq=N; on a CPU that many host devices are created"
+        ),
+    ] = None,
 ) -> None:
     """Perplexity through a KV cache: streaming (prefill P, decode T through the cache) or
     simulated (quantize-dequantize every K/V inside one forward pass)."""
@@ -75,6 +82,12 @@ def ppl_cmd(
             raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
         text = ppl.load_corpus(text_file)
         checks.check_model_source(model)
+        mesh_axes = checks.parse_mesh(mesh)
+        if mesh_axes and (protocol != "streaming" or spec.config() is None):
+            raise ValueError(
+                "--mesh splits a KIVI cache's tokens: --protocol streaming, a KIVI --cache"
+            )
+    checks.host_devices(mesh_axes)  # before the first JAX computation
     from models.generate import decode_layout
     from models.loader import enable_compile_cache, load_model
 
@@ -102,6 +115,7 @@ def ppl_cmd(
             batch_size=batch_size,
             max_positions=config.max_position_embeddings,
             implementation=implementation,
+            mesh=checks.make_mesh(mesh_axes) if mesh_axes else None,
         )
     out = {"model": config.name, "corpus": text_file or "pydoc", "dtype": dtype, **out}
     if as_json:

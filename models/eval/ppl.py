@@ -197,8 +197,7 @@ def _batches(n: int, batch_size: int | None):
         yield slice(i, min(i + b, n))
 
 
-@functools.lru_cache(maxsize=8)
-def _streaming_fn(model_config, prefill_len: int, decode_len: int, implementation: str):
+def _streaming_run(model_config, prefill_len: int, decode_len: int, implementation: str):
     from models.llama import decode_step, prefill
 
     def run(params, windows, cache):
@@ -219,7 +218,35 @@ def _streaming_fn(model_config, prefill_len: int, decode_len: int, implementatio
         _, rest = jax.lax.scan(step, cache, (inputs, targets))
         return jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, T]
 
-    return jax.jit(run)
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def _streaming_fn(model_config, prefill_len: int, decode_len: int, implementation: str):
+    return jax.jit(_streaming_run(model_config, prefill_len, decode_len, implementation))
+
+
+def _sharded_streaming_fn(mesh, rules, cache, model_config, prefill_len, decode_len, impl):
+    """`_streaming_fn` over `mesh`: the model replicated, each device's cache one shard of the
+    token axes (attended and written where the tokens are, `kivi_jax.parallel`), windows over
+    the rows' axis."""
+    import dataclasses
+
+    from kivi_jax.sharding import logical_to_mesh
+
+    run = _streaming_run(model_config, prefill_len, decode_len, impl)
+    seq, row = rules["cache_seq"], jax.P(rules.get("batch"))
+    specs = jax.tree.map(
+        lambda x: logical_to_mesh(x, rules),
+        cache.logical_axes(),
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+    local = lambda params, w, c: run(params, w, dataclasses.replace(c, seq_axis=seq))
+    return jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(jax.P(), row, specs), out_specs=row, check_vma=False
+        )
+    )
 
 
 def streaming_nll(
@@ -231,8 +258,14 @@ def streaming_nll(
     prefill_len: int,
     batch_size: int | None = None,
     implementation: str = "reference",
+    mesh=None,
+    rules=None,
 ) -> np.ndarray:
-    """Per-token NLL [N, T] of the streaming protocol (module doc) through cache `spec`."""
+    """Per-token NLL [N, T] of the streaming protocol (module doc) through cache `spec`.
+
+    mesh: a KIVI cache's token axes over its "seq" axis, windows over "data" where it has one
+    (`models.generate.generate`'s mesh: the model replicated; equal to one device's NLL up to
+    float32 rounding)."""
     windows = np.asarray(windows, np.int32)
     n, w = windows.shape
     decode_len = w - prefill_len
@@ -241,10 +274,32 @@ def streaming_nll(
     spec.config()
     fn = _streaming_fn(model_config, prefill_len, decode_len, implementation)
     dtype = _model_dtype(params)
-    out = []
+    max_len, split = w, 1
+    if mesh is not None:
+        from models.generate import _mesh_rules
+
+        if spec.config() is None:
+            raise ValueError(f"a mesh splits a KIVI cache's tokens, got cache {spec.name!r}")
+        rules = _mesh_rules(mesh, rules)
+        per = 256 * mesh.shape[rules["cache_seq"]]
+        max_len = -(-w // per) * per
+        split = mesh.shape[rules["batch"]] if rules.get("batch") else 1
+        params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    out, sharded_fns = [], {}
     for sl in _batches(n, batch_size):
-        cache = spec.make(model_config, batch=sl.stop - sl.start, max_len=w, dtype=dtype)
-        out.append(np.asarray(fn(params, jnp.asarray(windows[sl]), cache)))
+        rows = windows[sl]
+        rows = np.concatenate([rows, np.repeat(rows[-1:], -len(rows) % split, axis=0)])
+        cache = spec.make(model_config, batch=len(rows), max_len=max_len, dtype=dtype)
+        if mesh is not None:
+            from kivi_jax.sharding import shard_cache
+
+            cache = shard_cache(cache, mesh, rules)
+            if len(rows) not in sharded_fns:  # one program per batch shape
+                sharded_fns[len(rows)] = _sharded_streaming_fn(
+                    mesh, rules, cache, model_config, prefill_len, decode_len, implementation
+                )
+            fn = sharded_fns[len(rows)]
+        out.append(np.asarray(fn(params, jnp.asarray(rows), cache))[: sl.stop - sl.start])
     return np.concatenate(out, axis=0)
 
 
@@ -309,10 +364,14 @@ def evaluate_ppl(
     batch_size: int | None = None,
     max_positions: int | None = None,
     implementation: str = "reference",
+    mesh=None,
 ) -> dict:
-    """Run one protocol and return a JSON-able dict (ppl, n_tokens, parameters, cache config)."""
+    """Run one protocol and return a JSON-able dict (ppl, n_tokens, parameters, cache config).
+    mesh: the streaming protocol over a mesh (`streaming_nll`)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if mesh is not None and protocol != "streaming":
+        raise ValueError("a mesh splits the cache of the streaming protocol; simulated has none")
     check_context(prefill_len, decode_len, max_positions)
     cfg = spec.config()
     if cfg is not None:
@@ -328,6 +387,7 @@ def evaluate_ppl(
             prefill_len=prefill_len,
             batch_size=batch_size,
             implementation=implementation,
+            mesh=mesh,
         )
     else:
         nll = full_window_nll(
