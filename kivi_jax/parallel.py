@@ -39,7 +39,7 @@ from kivi_jax.attention import (
     tail_attention,
 )
 from kivi_jax.cache import BLOCK_TOKENS, KiviCache, check_layer
-from kivi_jax.sharding import LONG_CONTEXT_RULES, logical_to_mesh
+from kivi_jax.sharding import LONG_CONTEXT_RULES, cache_specs, logical_to_mesh
 
 IMPLEMENTATIONS = ("auto", "folded", "pallas")
 
@@ -190,11 +190,7 @@ def _sequence_sharding(cache: KiviCache, mesh: Mesh, rules: Mapping):
         raise NotImplementedError(
             "sequence-parallel attention needs key and value windows of one size (R >= G)"
         )
-    specs = jax.tree.map(
-        lambda s: logical_to_mesh(s, rules),
-        cache.logical_axes(),
-        is_leaf=lambda x: isinstance(x, jax.P),
-    )
+    specs = cache_specs(cache, rules)
     return seq_axis, specs
 
 

@@ -55,6 +55,16 @@ def logical_to_mesh(spec: jax.P, rules: Mapping[str, str | tuple[str, ...] | Non
     return jax.P(*axes)
 
 
+def cache_specs(cache, rules: Mapping):
+    """A pytree like `cache` holding each array's PartitionSpec of mesh axes under `rules`
+    (what `jax.shard_map` takes as the cache's in and out specs)."""
+    return jax.tree.map(
+        lambda spec: logical_to_mesh(spec, rules),
+        cache.logical_axes(),
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+
+
 def cache_shardings(cache, mesh: Mesh, rules: Mapping | None = None):
     """A pytree like `cache` holding the NamedSharding of each array under `rules`."""
     rules = DEFAULT_RULES if rules is None else rules
@@ -65,8 +75,8 @@ def cache_shardings(cache, mesh: Mesh, rules: Mapping | None = None):
                     f"rule {name!r} -> {ax!r}: mesh has no axis {ax!r} (axes {mesh.axis_names})"
                 )
     return jax.tree.map(
-        lambda spec: NamedSharding(mesh, logical_to_mesh(spec, rules)),
-        cache.logical_axes(),
+        lambda spec: NamedSharding(mesh, spec),
+        cache_specs(cache, rules),
         is_leaf=lambda x: isinstance(x, jax.P),
     )
 

@@ -304,15 +304,11 @@ def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implement
     tokens are), rows over the rows' axis."""
     import dataclasses as dc
 
-    from kivi_jax.sharding import logical_to_mesh
+    from kivi_jax.sharding import cache_specs
 
     P = jax.P
     seq, rows_axis = rules["cache_seq"], rules.get("batch")
-    specs = jax.tree.map(
-        lambda x: logical_to_mesh(x, rules),
-        cache.logical_axes(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    specs = cache_specs(cache, rules)
     row = P(rows_axis)
     local = lambda c: dc.replace(c, seq_axis=seq)
     plain = lambda c: dc.replace(c, seq_axis=None)

@@ -183,11 +183,7 @@ def test_decode_attention_inside_a_users_shard_map():
     cache = _cache("kivi2", 32)
     q = _query(cache.batch)
     want = kj.decode_attention(q, cache, 1, implementation="reference")
-    specs = jax.tree.map(
-        lambda s: kj.sharding.logical_to_mesh(s, LONG_CONTEXT_RULES),
-        cache.logical_axes(),
-        is_leaf=lambda x: isinstance(x, jax.P),
-    )
+    specs = kj.sharding.cache_specs(cache, LONG_CONTEXT_RULES)
 
     def step(q, c):
         c = dataclasses.replace(c, seq_axis="seq")

@@ -232,15 +232,11 @@ def _sharded_streaming_fn(mesh, rules, cache, model_config, prefill_len, decode_
     the rows' axis."""
     import dataclasses
 
-    from kivi_jax.sharding import logical_to_mesh
+    from kivi_jax.sharding import cache_specs
 
     run = _streaming_run(model_config, prefill_len, decode_len, impl)
     seq, row = rules["cache_seq"], jax.P(rules.get("batch"))
-    specs = jax.tree.map(
-        lambda x: logical_to_mesh(x, rules),
-        cache.logical_axes(),
-        is_leaf=lambda x: isinstance(x, jax.P),
-    )
+    specs = cache_specs(cache, rules)
     local = lambda params, w, c: run(params, w, dataclasses.replace(c, seq_axis=seq))
     return jax.jit(
         jax.shard_map(
