@@ -33,30 +33,14 @@ import jax.numpy as jnp
 
 import kivi_jax
 from bench import common
-from kivi_jax.attention import _group_query, tail_attention
-from pallas_kernels.kivi_decode import kivi_decode
+from kivi_jax.attention import _group_query, kernel_on_cache, tail_attention
 
 HQ, HKV, D, R, BITS, G = 32, 8, 128, 128, 2, 128
 POINTS = "1x1024,1x8192,1x32768,8x8192,1x131072"
 
 
 def _kernel_alone(q, cache, layer):
-    k, v = cache.keys, cache.values
-    o, _ = kivi_decode(
-        q,
-        k.codes,
-        k.scale,
-        k.minimum,
-        v.codes,
-        v.scale,
-        v.minimum,
-        cache.quantized_split(),
-        layer,
-        key_bits=BITS,
-        value_bits=BITS,
-        group_size=G,
-        sm_scale=D**-0.5,
-    )
+    o, _ = kernel_on_cache(q, cache, layer, cache.quantized_split(), scale=D**-0.5)
     return o.astype(q.dtype)
 
 

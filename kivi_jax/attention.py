@@ -252,30 +252,32 @@ def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
 
 
-def _kivi_pallas(
-    qg, q, cache: KiviCache, layer, scale, interpret, tuning=None, low_precision: bool = False
+def kernel_on_cache(
+    q,
+    cache: KiviCache,
+    layer,
+    num_tokens,
+    *,
+    scale: float,
+    interpret=False,
+    tuning=None,
+    low_precision: bool = False,
+    windows=None,
 ) -> tuple[Array, Array]:
-    try:
-        from pallas_kernels import kivi_decode as kernel
-    except ImportError as e:  # pragma: no cover - the kernel module ships with the package
-        raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
-    if not cache.config.is_kivi:
-        raise NotImplementedError(
-            f"the Pallas kernel needs KIVI axes (channel keys, token values), got {cache.config}"
-        )
-    if not interpret and not pallas_available():
-        raise NotImplementedError(
-            "the Pallas KIVI kernel runs on Hopper (sm_90) GPUs; on this backend "
-            f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
-        )
-    call = lambda num_tokens, windows=None: kernel.kivi_decode(
+    """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
+    lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
+    too, num_tokens being the rows' lengths, capped at the cache's max_len)."""
+    from pallas_kernels import kivi_decode as kernel
+
+    k, v = cache.keys, cache.values
+    return kernel.kivi_decode(
         q,
-        cache.keys.codes,
-        cache.keys.scale,
-        cache.keys.minimum,
-        cache.values.codes,
-        cache.values.scale,
-        cache.values.minimum,
+        k.codes,
+        k.scale,
+        k.minimum,
+        v.codes,
+        v.scale,
+        v.minimum,
         num_tokens,
         layer,
         key_bits=cache.config.key_bits,
@@ -287,6 +289,35 @@ def _kivi_pallas(
         low_precision=low_precision,
         windows=windows,
         max_len=cache.max_len if windows else 0,
+    )
+
+
+def _kivi_pallas(
+    qg, q, cache: KiviCache, layer, scale, interpret, tuning=None, low_precision: bool = False
+) -> tuple[Array, Array]:
+    try:  # the kernel's module, imported here so that its absence is a NotImplementedError
+        from pallas_kernels import kivi_decode  # noqa: F401
+    except ImportError as e:  # pragma: no cover - the kernel module ships with the package
+        raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
+    if not cache.config.is_kivi:
+        raise NotImplementedError(
+            f"the Pallas kernel needs KIVI axes (channel keys, token values), got {cache.config}"
+        )
+    if not interpret and not pallas_available():
+        raise NotImplementedError(
+            "the Pallas KIVI kernel runs on Hopper (sm_90) GPUs; on this backend "
+            f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
+        )
+    call = lambda num_tokens, windows=None: kernel_on_cache(
+        q,
+        cache,
+        layer,
+        num_tokens,
+        scale=scale,
+        interpret=interpret,
+        tuning=tuning,
+        low_precision=low_precision,
+        windows=windows,
     )
     finish = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if cache.windows_aligned and cache.keys.window % 64 == 0:

@@ -34,6 +34,7 @@ from kivi_jax.attention import (
     _check_scale,
     _group_query,
     _kernel_applies,
+    kernel_on_cache,
     merge_partials,
     quantized_region_folded,
     tail_attention,
@@ -59,25 +60,7 @@ def _local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, inte
     m = cache.quantized_split()  # global: lengths and windows are replicated over the axis
     m_local = jnp.clip(m - shard * cap, 0, cap)
     if impl == "pallas":
-        from pallas_kernels import kivi_decode as kernel
-
-        k, v = cache.keys, cache.values
-        o, lse = kernel.kivi_decode(
-            q,
-            k.codes,
-            k.scale,
-            k.minimum,
-            v.codes,
-            v.scale,
-            v.minimum,
-            m_local,
-            layer,
-            key_bits=cache.config.key_bits,
-            value_bits=cache.config.value_bits,
-            group_size=cache.config.group_size,
-            sm_scale=scale,
-            interpret=interpret,
-        )
+        o, lse = kernel_on_cache(q, cache, layer, m_local, scale=scale, interpret=interpret)
         main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     else:
         main = quantized_region_folded(qg, cache.keys, cache.values, layer, m_local)
@@ -103,6 +86,19 @@ def shard_attention(qg, q, cache: KiviCache, layer, implementation, scale, inter
     axis = cache.seq_axis
     o, lse = _local_attention(qg, q, cache, layer, axis, impl, scale, interpret)
     return _merge_across(o, lse, axis)
+
+
+def on_token_shards(fn, seq_axis: str):
+    """fn wrapped to run inside `jax.shard_map` over `seq_axis`: every KiviCache among its
+    arguments knows its shard of the token axes (`KiviCache.seq_axis`), so that its writes and
+    `decode_attention` are sequence-parallel; every KiviCache it returns is plain again (the
+    same pytree as outside)."""
+    mark = lambda tree, axis: jax.tree.map(
+        lambda x: dataclasses.replace(x, seq_axis=axis) if isinstance(x, KiviCache) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, KiviCache),
+    )
+    return lambda *args: mark(fn(*mark(args, seq_axis)), None)
 
 
 def _merge_across(o: Array, lse: Array, axis: str) -> Array:
@@ -155,7 +151,6 @@ def sequence_parallel_attention(
 
     def local(q, cache, layer):
         qg = _group_query(q, cache.kv_heads, scale)
-        cache = dataclasses.replace(cache, seq_axis=seq_axis)
         o = shard_attention(qg, q, cache, layer, impl, scale, interpret)
         return o.reshape(q.shape).astype(q.dtype)
 
@@ -163,7 +158,11 @@ def sequence_parallel_attention(
         mesh, (q, cache, jnp.asarray(layer, jnp.int32)), (q_spec, specs, jax.P())
     )
     o = jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, specs, jax.P()), out_specs=q_spec, check_vma=False
+        on_token_shards(local, seq_axis),
+        mesh=mesh,
+        in_specs=(q_spec, specs, jax.P()),
+        out_specs=q_spec,
+        check_vma=False,
     )(q, cache, layer)
     if in_range is not None:  # a traced layer out of range: never another layer's answer
         o = jnp.where(in_range, o, jnp.nan).astype(q.dtype)
@@ -221,10 +220,7 @@ def _per_shard(fn, cache: KiviCache, mesh: Mesh, rules: Mapping | None, args, ar
         )
     arg_specs = tuple(logical_to_mesh(a, rules) for a in arg_specs)
 
-    def local(cache, *args):
-        cache = fn(dataclasses.replace(cache, seq_axis=seq_axis), *args)
-        return dataclasses.replace(cache, seq_axis=None)
-
+    local = on_token_shards(fn, seq_axis)
     cache, *args = _place(mesh, (cache, *args), (specs, *arg_specs))
     return jax.shard_map(
         local, mesh=mesh, in_specs=(specs, *arg_specs), out_specs=specs, check_vma=False

@@ -302,26 +302,22 @@ def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implement
     """(prefill, decode loop) over `mesh`: the model replicated on every device, each device's
     cache one shard of the token axes (`kivi_jax.parallel`: attended and written where the
     tokens are), rows over the rows' axis."""
-    import dataclasses as dc
-
+    from kivi_jax.parallel import on_token_shards
     from kivi_jax.sharding import cache_specs
 
     P = jax.P
     seq, rows_axis = rules["cache_seq"], rules.get("batch")
     specs = cache_specs(cache, rules)
     row = P(rows_axis)
-    local = lambda c: dc.replace(c, seq_axis=seq)
-    plain = lambda c: dc.replace(c, seq_axis=None)
 
     def prefill(params, tokens, lengths, c):
-        logits, c = llama.prefill(params, config, tokens, lengths, local(c))
-        return logits, plain(c)
+        return llama.prefill(params, config, tokens, lengths, c)
 
     def loop(params, logits, c, rng, max_new, stops):
-        state = _decode_loop(
+        return _decode_loop(
             params,
             logits,
-            local(c),
+            c,
             rng,
             max_new,
             stops,
@@ -331,10 +327,11 @@ def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implement
             implementation=implementation,
             rows_axis=rows_axis,
         )
-        return dc.replace(state, cache=plain(state.cache))
 
     state_specs = LoopState(step=P(), done=row, tokens=row, last=row, cache=specs, rng=P())
-    smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False)
+    smap = lambda f, i, o: jax.shard_map(
+        on_token_shards(f, seq), mesh=mesh, in_specs=i, out_specs=o, check_vma=False
+    )
     prefill = smap(prefill, (P(), row, row, specs), (row, specs))
     loop = smap(loop, (P(), row, specs, P(), P(), P()), state_specs)
     return jax.jit(prefill, donate_argnums=3), jax.jit(loop, donate_argnums=2)

@@ -230,14 +230,13 @@ def _sharded_streaming_fn(mesh, rules, cache, model_config, prefill_len, decode_
     """`_streaming_fn` over `mesh`: the model replicated, each device's cache one shard of the
     token axes (attended and written where the tokens are, `kivi_jax.parallel`), windows over
     the rows' axis."""
-    import dataclasses
-
+    from kivi_jax.parallel import on_token_shards
     from kivi_jax.sharding import cache_specs
 
     run = _streaming_run(model_config, prefill_len, decode_len, impl)
     seq, row = rules["cache_seq"], jax.P(rules.get("batch"))
     specs = cache_specs(cache, rules)
-    local = lambda params, w, c: run(params, w, dataclasses.replace(c, seq_axis=seq))
+    local = on_token_shards(run, seq)
     return jax.jit(
         jax.shard_map(
             local, mesh=mesh, in_specs=(jax.P(), row, specs), out_specs=row, check_vma=False
