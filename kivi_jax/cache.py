@@ -46,6 +46,8 @@ from kivi_jax.quant import (
     swap_bytes,
     swapped_byte,
     to_cache_order,
+    unblock_columns,
+    unpack_tokens,
     value_codes_blocked,
 )
 
@@ -342,29 +344,15 @@ class QuantizedStore:
         return store, out_x
 
     def _flush_block(self, pos, valid, origin):
-        nl, nb, nh, w, d = self.window_tokens().shape
-        g = self.group_size
+        w = self.window
         # the window holds [pos - W, pos), whole; its block is this store's if it starts here
         # (a store's positions are whole blocks: its capacity is a multiple of W)
         start, flush = self._local(pos - w, valid & (pos >= w) & (pos % w == 0), origin)
 
         def quantize(store):
-            codes, scale, mn = minmax_quantize(
-                store.window_tokens().reshape(nl, nb, nh, w // g, g, d),
-                store.bits,
-                axis=-2,
-                scale_dtype=store.scale.dtype,
-            )
-            rows, shifts = token_rows(start[:, None] + jnp.arange(w), store.bits)  # [B, W]
-            rows = jnp.where(flush[:, None], rows, store.packed_len)
-            vals = codes.reshape(nl, nb, nh, w, d).transpose(0, 1, 3, 2, 4)  # [L, B, W, H, D]
-            vals = vals << shifts[None, :, :, None, None]
-            layers, b = jnp.arange(nl)[:, None, None], jnp.arange(nb)[None, :, None]
-            store = dataclasses.replace(store, codes=store._add_codes(layers, b, rows[None], vals))
-            groups = start[:, None] // g + jnp.arange(w // g)
-            groups = jnp.where(flush[:, None], groups, store.scale.shape[-2])
-            per_group = lambda a: a[..., 0, :].transpose(0, 1, 3, 2, 4)  # [L, B, W/G, H, D]
-            return store._set_scales(layers, b, groups[None], per_group(scale), per_group(mn))
+            local = start[:, None] + jnp.arange(w)  # [B, W]
+            ok = jnp.broadcast_to(flush[:, None], local.shape)
+            return store._put_blocks(store.window_tokens().swapaxes(2, 3), local, ok)
 
         # Most steps start no block: the quantization runs only when some row does.
         store = jax.lax.cond(jnp.any(flush), quantize, lambda st: st, self)
@@ -385,6 +373,71 @@ class QuantizedStore:
         # per-token scales sit in the cache order too (the kernel loads a plane's as one row)
         idx = jnp.where(valid, cache_slot(pos), self.scale.shape[-1])
         return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
+
+    def extend(self, x: Array, n: Array, c: Array, origin=0) -> QuantizedStore:
+        """Append x [L, B, Hkv, C, D] (in the window's dtype): row b's first c[b] tokens at
+        positions n[b], n[b] + 1, ..., stored exactly as streaming them one at a time through
+        `flush` and `write` would (bit for bit), codes only where this store holds them
+        (`origin`, `_local`). Rows must stay within capacity (`KiviCache.extend` clamps c).
+
+        What gets quantized is [num_quantized(n), num_quantized(n + c)): the older part lies
+        in the window (n - num_quantized(n) <= W), the rest in the chunk, so one span of
+        W + C positions from num_quantized(n) holds it all, in order. Per channel that start is
+        a multiple of W, so the span's groups are the blocks' groups, as in `_flush_block`.
+        """
+        nl, nb, _, nc, _ = x.shape
+        w = self.window
+        a, a_new = self.num_quantized(n), self.num_quantized(n + c)
+        span = _round_up(w + nc, w) if self.axis == "channel" else w + nc
+        pos = a[:, None] + jnp.arange(span)  # [B, N]
+        xt = x.swapaxes(2, 3)  # [L, B, C, Hkv, D]
+        at = lambda t, i: jnp.take_along_axis(t, i[None, :, :, None, None], axis=2)
+        span_x = at(xt, jnp.clip(pos - n[:, None], 0, nc - 1))  # [L, B, N, Hkv, D]
+        ring = self.window_tokens().swapaxes(2, 3) if w else None  # [L, B, W, Hkv, D]
+        if w:
+            span_x = jnp.where((pos < n[:, None])[None, ..., None, None], at(ring, pos % w), span_x)
+        quantize = (pos >= a[:, None]) & (pos < a_new[:, None])
+        local, ok = self._local(pos, quantize, origin)
+        layers, b = jnp.arange(nl)[:, None, None], jnp.arange(nb)[None, :, None]
+        if self.axis == "token":
+            store = self._put_tokens(layers, b, span_x, local[None], ok[None])
+        else:
+            store = self._put_blocks(span_x, local, ok)
+        if not w:
+            return store
+        # Window slot j: the newest position p < n + c with p % W == j; from the chunk if p >= n.
+        last = (n + c - 1)[:, None]
+        p = last - ((last - jnp.arange(w)) % w)  # [B, W]
+        new_ring = jnp.where(
+            (p >= n[:, None])[None, ..., None, None],
+            at(xt, jnp.clip(p - n[:, None], 0, nc - 1)),
+            ring,
+        ).swapaxes(2, 3)
+        return dataclasses.replace(
+            store, residual=new_ring.swapaxes(-1, -2) if self.transposed else new_ring
+        )
+
+    def _put_blocks(self, x: Array, local: Array, ok: Array) -> QuantizedStore:
+        """Channel axis: quantize x [L, B, N, Hkv, D] (N a multiple of G, its first position a
+        multiple of G) per group of G tokens into local positions `local` [B, N] where ok; a
+        group is kept or dropped whole (ok is constant over each block of W)."""
+        nl, nb, n, nh, d = x.shape
+        g = self.group_size
+        codes, scale, mn = minmax_quantize(
+            x.transpose(0, 1, 3, 2, 4).reshape(nl, nb, nh, n // g, g, d),
+            self.bits,
+            axis=-2,
+            scale_dtype=self.scale.dtype,
+        )
+        rows, shifts = token_rows(local, self.bits)
+        rows = jnp.where(ok, rows, self.packed_len)
+        vals = codes.reshape(nl, nb, nh, n, d).transpose(0, 1, 3, 2, 4)  # [L, B, N, H, D]
+        vals = vals << shifts[None, :, :, None, None]
+        layers, b = jnp.arange(nl)[:, None, None], jnp.arange(nb)[None, :, None]
+        store = dataclasses.replace(self, codes=self._add_codes(layers, b, rows[None], vals))
+        groups = jnp.where(ok[:, ::g], local[:, ::g] // g, self.scale.shape[-2])  # [B, N/G]
+        per_group = lambda a: a[..., 0, :].transpose(0, 1, 3, 2, 4)  # [L, B, N/G, H, D]
+        return store._set_scales(layers, b, groups[None], per_group(scale), per_group(mn))
 
     def prefill(self, x: Array, lengths: Array, origin=None) -> QuantizedStore:
         """The canonical store for x [L, B, Hkv, S, D] with rows holding `lengths` tokens; with
@@ -496,6 +549,33 @@ class QuantizedStore:
             deq = jnp.where(full[..., None, None], res, deq)
         return deq.transpose(0, 2, 1, 3)
 
+    def dense_layer(self, layer, lengths: Array, dtype) -> Array:
+        """Every position of `layer` as [B, Tq, Hkv, D] in `dtype`: dequantized, and for rows
+        holding `lengths` tokens their newest W from the window (what `gather` reads, in one
+        pass over the layer's codes, which XLA fuses). Positions a row does not hold are
+        unspecified."""
+        codes = self.codes[layer]
+        if self.blocked:
+            codes = unblock_columns(codes)
+        c = unpack_tokens(codes, self.bits, axis=-1 if self.transposed else -2)
+        c = c.astype(jnp.float32)
+        if self.transposed:
+            c = c.swapaxes(-1, -2)  # [B, H, Tq, D]
+        g = self.group_size
+        if self.axis == "channel":  # [B, H, Tq/G, D]
+            per_token = lambda a: jnp.repeat(a[layer].astype(jnp.float32), g, axis=-2)
+        else:  # [B, H, D/G, Tq] in the cache order
+            per_token = lambda a: jnp.repeat(
+                to_cache_order(a[layer].astype(jnp.float32), -1), g, axis=-2
+            ).swapaxes(-1, -2)
+        x = c * per_token(self.scale) + per_token(self.minimum)
+        if self.window:
+            t = jnp.arange(self.capacity)
+            ring = jnp.take(self.layer_window(layer).astype(jnp.float32), t % self.window, axis=2)
+            full = t[None, :] >= self.full_precision_from(lengths)[:, None]  # [B, Tq]
+            x = jnp.where(full[:, None, :, None], ring, x)
+        return x.astype(dtype).swapaxes(1, 2)
+
     def nbytes(self) -> CacheBytes:
         return CacheBytes(
             codes=self.codes.nbytes,
@@ -545,6 +625,44 @@ class _CacheOps:
         _check_dims("v", v, (nl, self.batch, self.kv_heads, self.head_dim))
         cache = self.advance()
         return jax.lax.fori_loop(0, nl, lambda l, c: c.write(l, k[l], v[l]), cache)
+
+    def extend(self, k: Array, v: Array, counts: Array):
+        """Append chunks k, v [L, B, Hkv, C, D] to every layer: row b takes its first
+        counts[b] tokens at positions lengths[b], lengths[b] + 1, ... (chunked prefill).
+
+        The result equals appending those tokens one at a time (`append`), bit for bit, and
+        costs one pass over the chunk. Capacity policy as `advance`'s (module doc): outside
+        jit a row going past max_len raises ValueError; under jit its tokens past capacity
+        are dropped and the row is marked `overflowed`. Counts outside [0, C] raise when
+        concrete and are clamped (the row marked) when traced, as prefill's lengths are.
+        """
+        c, recorded = self._extend_counts(k, v, counts)
+        return self._extend_jit(k, v, c, recorded)
+
+    def _extend_counts(self, k, v, counts) -> tuple[Array, Array]:
+        """Check extend's arguments -> (int32 tokens to store per row, lengths to record)."""
+        want = (self.num_layers, self.batch, self.kv_heads, None, self.head_dim)
+        _check_dims("k", k, want)
+        _check_dims("v", v, want)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+        _check_dims("counts", counts, (self.batch,), dtype_kind="integer")
+        nc = k.shape[3]
+        counts = counts.astype(jnp.int32)
+        new = self.lengths + counts
+        if _is_concrete(counts) and _is_concrete(self.lengths):
+            if bool(jnp.any((counts < 0) | (counts > nc))):
+                raise ValueError(f"counts must lie in [0, C={nc}], got {np.asarray(counts)}")
+            if bool(jnp.any(new > self.max_len)):
+                raise ValueError(
+                    f"cache is full: a row would hold {int(jnp.max(new))} tokens, "
+                    f"max_len={self.max_len}"
+                )
+            return counts, new
+        ok = (counts >= 0) & (counts <= nc) & (new <= self.max_len)
+        checkify.debug_check(jnp.all(ok), "extend: counts outside [0, C] or past max_len")
+        stored = jnp.clip(jnp.clip(counts, 0, nc), 0, jnp.maximum(self.max_len - self.lengths, 0))
+        return stored, jnp.where(ok, self.lengths + stored, self.max_len + 1)
 
     def _prefill_lengths(self, k, v, lengths) -> tuple[Array, Array]:
         """Check prefill's arguments -> (int32 lengths to store, int32 lengths to record).
@@ -706,6 +824,16 @@ class KiviCache(_CacheOps):
             lengths=recorded,
         )
 
+    def _extend(self, k: Array, v: Array, counts: Array, recorded: Array) -> KiviCache:
+        n, o = self.lengths, self._origin()
+        cast = lambda x: x.astype(self.dtype)
+        return dataclasses.replace(
+            self,
+            keys=self.keys.extend(cast(k), n, counts, o),
+            values=self.values.extend(cast(v), n, counts, o),
+            lengths=recorded,
+        )
+
     def advance(self) -> KiviCache:
         """Start a decode step: every row's length grows by one, and in every layer what the
         new token's slot held is quantized (`QuantizedStore.flush`): `write` then fills it."""
@@ -744,6 +872,14 @@ class KiviCache(_CacheOps):
             values=self.values.logical_axes(),
             lengths=jax.P("batch"),
         )
+
+    def layer_kv(self, layer, dtype=None) -> tuple[Array, Array]:
+        """K and V of `layer`, [B, Tq, Hkv, D] each in `dtype` (default the windows'), as
+        `DenseCache.layer_kv` gives them: dequantized, the newest positions from the windows
+        (`QuantizedStore.dense_layer`). Chunked prefill reads the past this way."""
+        n = jnp.minimum(self.lengths, self.max_len)
+        dtype = self.dtype if dtype is None else dtype
+        return self.keys.dense_layer(layer, n, dtype), self.values.dense_layer(layer, n, dtype)
 
     def quantized_split(self) -> Array:
         """[B] int32: positions [0, m) read K and V from the codes (the kernel's region); the
@@ -855,6 +991,24 @@ class DenseCache(_CacheOps):
             self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v), lengths=recorded
         )
 
+    def _extend(self, k: Array, v: Array, counts: Array, recorded: Array) -> DenseCache:
+        nc = k.shape[3]
+        b = jnp.arange(self.batch)[:, None]
+        i = jnp.arange(nc)[None, :]
+        pos = jnp.where(i < counts[:, None], self.lengths[:, None] + i, self.max_len)  # [B, C]
+
+        def put(buf, x):  # x [L, B, Hkv, C, D] -> buf's [.., B, T, Hkv, D] at pos (drop the rest)
+            x = x.swapaxes(2, 3)
+            if self.per_layer:
+                return tuple(
+                    a.at[b, pos].set(x[j].astype(a.dtype), mode="drop") for j, a in enumerate(buf)
+                )
+            return buf.at[:, b, pos].set(x.astype(buf.dtype), mode="drop")
+
+        return dataclasses.replace(
+            self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v), lengths=recorded
+        )
+
     def write(self, layer, k: Array, v: Array) -> DenseCache:
         layer, pos, valid = self._check_token(layer, k, v)
         b = jnp.arange(self.batch)
@@ -885,6 +1039,8 @@ class DenseCache(_CacheOps):
 # Jitted once per shape so that eager callers (notebooks, tests) do not dispatch op by op.
 _kivi_prefill = jax.jit(KiviCache._prefill)
 _dense_prefill = jax.jit(DenseCache._prefill)
+KiviCache._extend_jit = jax.jit(KiviCache._extend)
+DenseCache._extend_jit = jax.jit(DenseCache._extend)
 
 
 # ---------------------------------------------------------------------------------------------

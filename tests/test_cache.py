@@ -65,6 +65,68 @@ def test_streaming_appends_equal_bulk_prefill_bit_for_bit(config):
     _assert_trees_equal(cache, bulk)
 
 
+@pytest.mark.parametrize("config", [*CONFIGS, None], ids=str)
+def test_chunked_extends_equal_bulk_prefill_bit_for_bit(config):
+    # Ragged rows, chunks of several sizes (one token, less than a group, more than a window),
+    # some rows taking fewer tokens than the chunk or none: the result must equal one prefill of
+    # each row's whole sequence, which equals streaming it (the test above).
+    starts = np.array([0, 31, 128, 161])
+    b = len(starts)
+    chunks = [(1, [1, 1, 0, 1]), (7, [7, 3, 7, 0]), (64, [64, 64, 5, 64]), (150, [150, 9, 150, 80])]
+    total = int(starts.max()) + sum(c for c, _ in chunks)
+    k, v = _random_kv(1, b, total)
+    kw = dict(num_layers=L, batch=b, kv_heads=H, head_dim=D, max_len=total + 3)
+    if config is None:
+        empty = kj.DenseCache.init(**kw, dtype=jnp.float32)
+    else:
+        empty = kj.KiviCache.init(config, **kw, dtype=jnp.float32)
+    cache = empty.prefill(k, v, jnp.asarray(starts, jnp.int32))
+    ends = starts.copy()
+    for size, counts in chunks:
+        idx = jnp.asarray(np.minimum(ends[:, None] + np.arange(size), total - 1))[None, :, None]
+        kc, vc = (jnp.take_along_axis(x, idx[..., None], axis=3) for x in (k, v))  # [.., C, D]
+        cache = cache.extend(kc, vc, jnp.asarray(counts, jnp.int32))
+        ends = ends + np.asarray(counts)
+    bulk = empty.prefill(k, v, jnp.asarray(ends, jnp.int32))
+    _assert_trees_equal(cache, bulk)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_layer_kv_reads_what_gather_reads(config):
+    # The one-pass dequantization of a layer (chunked prefill's past) against the per-position
+    # gather, at every position each row holds (quantized, window, across block boundaries).
+    k, v = _random_kv(2, 3, 600)
+    n = jnp.array([600, 301, 5], jnp.int32)
+    cache = kj.KiviCache.init(
+        config, num_layers=L, batch=3, kv_heads=H, head_dim=D, max_len=600, dtype=jnp.float32
+    ).prefill(k, v, n)
+    got_k, got_v = cache.layer_kv(1)
+    t = jnp.broadcast_to(jnp.arange(cache.keys.capacity), (3, cache.keys.capacity))
+    held = np.asarray(t < n[:, None])
+    for got, store in ((got_k, cache.keys), (got_v, cache.values)):
+        want = np.asarray(store.gather(1, t, n).swapaxes(1, 2))
+        np.testing.assert_array_equal(np.asarray(got)[held], want[held])
+
+
+def test_extend_past_capacity_raises_outside_jit_and_flags_the_row_inside():
+    cache = kj.make_cache("kivi2", num_layers=1, batch=2, kv_heads=1, head_dim=64, max_len=40)
+    k = jnp.ones((1, 2, 1, 32, 64), jnp.bfloat16)
+    cache = cache.extend(k, k, jnp.array([32, 8], jnp.int32))
+    with pytest.raises(ValueError, match="cache is full"):
+        cache.extend(k, k, jnp.array([9, 0], jnp.int32))
+    with pytest.raises(ValueError, match="counts must lie in"):
+        cache.extend(k, k, jnp.array([-1, 0], jnp.int32))
+    out = jax.jit(lambda c, n: c.extend(k, k, n))(cache, jnp.array([9, 5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out.overflowed), [True, False])
+    np.testing.assert_array_equal(np.asarray(out.lengths), [41, 13])
+    with pytest.raises(ValueError, match="overflow in rows \\[0\\]"):
+        kj.check_capacity(out)
+    with pytest.raises(ValueError, match="counts"):
+        cache.extend(k, k, jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        cache.extend(k, k[..., :16, :], jnp.array([1, 1], jnp.int32))
+
+
 def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
     config = kj.KiviConfig(2, 2, group_size=32, residual_length=128)
     k, v = _random_kv(1, 3, 300)
