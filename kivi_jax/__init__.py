@@ -1,6 +1,6 @@
 """kivi-jax: KIVI 2/4-bit KV-cache quantization for JAX (arXiv 2402.02750)."""
 
-from kivi_jax.attention import decode_attention, merge_partials
+from kivi_jax.attention import chunk_attention, decode_attention, merge_partials
 from kivi_jax.cache import (
     CACHE_NAMES,
     CacheBytes,
@@ -37,6 +37,7 @@ __all__ = [
     "QuantizedTensor",
     "cache_config",
     "check_capacity",
+    "chunk_attention",
     "decode_attention",
     "dequantize",
     "make_cache",

@@ -75,14 +75,16 @@ def _mask_logits(s: Array, mask: Array) -> Array:
 
 
 def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
-    """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] -> (o [B, H, r, D], lse [B, H, r]).
+    """qg [B, H, r, D], k/v [B, H, N, D], mask [B, N] (or broadcasting to [B, H, r, N]) ->
+    (o [B, H, r, D], lse [B, H, r]).
 
     Products in k/v's dtype (q and P rounded to it) with float32 accumulation.
     """
     dot = lambda spec, a, b: jnp.einsum(
         spec, a.astype(b.dtype), b, precision="highest", preferred_element_type=jnp.float32
     )
-    s = _mask_logits(dot("bhrd,bhnd->bhrn", qg, k), mask[:, None, None, :])
+    mask = mask[:, None, None, :] if mask.ndim == 2 else mask
+    s = _mask_logits(dot("bhrd,bhnd->bhrn", qg, k), mask)
     return _normalize(s, lambda p: dot("bhrn,bhnd->bhrd", p, v))
 
 
@@ -439,3 +441,205 @@ def decode_attention(
     if in_range is not None:  # a traced layer out of range was clamped: never another's answer
         o = jnp.where(in_range, o, jnp.nan)
     return o.reshape(q.shape).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# A chunk of new queries per row (chunked prefill).
+
+CHUNK_IMPLEMENTATIONS = ("auto", "reference", "pallas", "cudnn")
+PAST_BLOCK = 4096  # positions per step of the reference's scan over the cache (bounds memory)
+# Query rows per kv head in one kernel launch with folded chunk queries: the decode's own
+# largest (Hq / Hkv = 8); at 32 rows Mosaic's layout inference fails for 4-bit caches.
+KERNEL_QUERY_ROWS = 8
+
+
+def _fold_chunk(q: Array, kv_heads: int) -> Array:
+    """q [B, C, Hq, D] -> [B, Hkv, C * r, D]: the chunk's queries as extra rows of each kv
+    head's query group (row c * r + j is query c's head h * r + j)."""
+    b, c, hq, d = q.shape
+    r = hq // kv_heads
+    return q.reshape(b, c, kv_heads, r, d).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, c * r, d)
+
+
+def _unfold_chunk(o: Array, c: int) -> Array:
+    b, h, cr, d = o.shape
+    return o.reshape(b, h, c, cr // c, d).transpose(0, 2, 1, 3, 4).reshape(b, c, -1, d)
+
+
+def _past_blocked(qg: Array, cache, layer) -> tuple[Array, Array]:
+    """Reference attention of qg [B, Hkv, N, D] over positions [0, lengths) of `layer`, float32,
+    PAST_BLOCK positions at a time (a scan merging partials: memory O(N * PAST_BLOCK))."""
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    cap = cache.keys.capacity if isinstance(cache, KiviCache) else cache.max_len
+    block = min(PAST_BLOCK, cap)
+    nb = -(-cap // block)
+
+    def kv(t):  # positions t [B, block] -> K, V [B, Hkv, block, D] float32
+        if isinstance(cache, KiviCache):
+            return cache.keys.gather(layer, t, n), cache.values.gather(layer, t, n)
+        k, v = cache.layer_kv(layer)  # [B, T, Hkv, D]
+        tc = jnp.clip(t, 0, cache.max_len - 1)[..., None, None]
+        take = lambda x: jnp.take_along_axis(x, tc, axis=1).swapaxes(1, 2).astype(jnp.float32)
+        return take(k), take(v)
+
+    def step(acc, i):
+        t = jnp.broadcast_to(i * block + jnp.arange(block), (cache.batch, block))
+        part = _softmax_attend(qg, *kv(t), t < n[:, None])
+        return merge_partials([acc, part]), None
+
+    empty = (jnp.zeros(qg.shape, jnp.float32), jnp.full(qg.shape[:-1], -jnp.inf, jnp.float32))
+    return jax.lax.scan(step, empty, jnp.arange(nb))[0]
+
+
+def _cudnn_with_lse(q, k, v, scale, **kw) -> tuple[Array, Array]:
+    """cuDNN's fused attention of q [B, C, Hq, D] over k, v [B, T, Hkv, D] (16-bit) with its
+    log-sum-exp -> (o float32 [B, C, Hq, D], lse [B, C, Hq]). Raises NotImplementedError
+    where cuDNN declines at trace time (no GPU or cuDNN, a head dim or dtype it rejects)."""
+    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError("cuDNN attention needs a GPU and 16-bit inputs")
+    try:
+        o, lse = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, implementation="cudnn", return_residual=True, **kw
+        )
+    except Exception as e:  # noqa: BLE001 - cuDNN's own checks raise several kinds
+        raise NotImplementedError(f"cuDNN attention does not apply: {e}") from e
+    return o.astype(jnp.float32), lse.astype(jnp.float32)
+
+
+def _chunk_cudnn(q, k, v, counts, cache, layer, scale) -> tuple[Array, Array]:
+    """Both parts of `chunk_attention` on cuDNN's flash attention, folded (o [B, Hkv, C r, D],
+    lse [B, Hkv, C r]): the past dequantized to q's dtype in one fused pass
+    (`KiviCache.layer_kv`; a dense cache's layer read in place), then attended without a
+    mask but the rows' lengths; the chunk causally over its first counts[b] keys."""
+    h = cache.kv_heads
+    if isinstance(cache, KiviCache):
+        kp, vp = cache.layer_kv(layer, q.dtype)
+    else:
+        kp, vp = (x.astype(q.dtype) for x in cache.layer_kv(layer))
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    fold = lambda o, lse, held: (
+        jnp.where(held[:, None, None, None], _fold_chunk(o, h), 0.0),
+        jnp.where(held[:, None, None], _fold_chunk(lse[..., None], h)[..., 0], -jnp.inf),
+    )
+    past = fold(*_cudnn_with_lse(q, kp, vp, scale, key_value_seq_lengths=n), n > 0)
+    lens = dict(query_seq_lengths=counts, key_value_seq_lengths=counts)
+    own = _cudnn_with_lse(q, k.astype(q.dtype), v.astype(q.dtype), scale, is_causal=True, **lens)
+    return past, fold(*own, counts > 0)
+
+
+def _past(qg, qf, cache, layer, impl: str, scale, interpret) -> tuple[Array, Array]:
+    """(o, lse) of the chunk's folded queries qg (scaled float32) / qf (q's dtype)
+    [B, Hkv, N, D] over what the cache holds: this device's part on a token shard
+    (`seq_axis`). The kernel takes the queries KERNEL_QUERY_ROWS per kv head per launch
+    (each launch reads the whole cache)."""
+    b, _, n, d = qg.shape
+    flat = lambda x: x.reshape(b, -1, d)
+    if isinstance(cache, KiviCache) and cache.seq_axis is not None:
+        from kivi_jax.parallel import _local_attention
+
+        local = "pallas" if impl == "pallas" else "folded"
+        part = lambda g, f: _local_attention(
+            g, flat(f), cache, layer, cache.seq_axis, local, scale, interpret
+        )
+    elif impl == "pallas":
+        part = lambda g, f: _kivi_pallas(g, flat(f), cache, layer, scale, interpret)
+    else:
+        return _past_blocked(qg, cache, layer)
+    rows = KERNEL_QUERY_ROWS if impl == "pallas" else n
+    parts = [part(qg[:, :, i : i + rows], qf[:, :, i : i + rows]) for i in range(0, n, rows)]
+    return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts, strict=True))
+
+
+def chunk_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    counts: Array,
+    cache: KiviCache | DenseCache,
+    layer,
+    *,
+    implementation: str = "auto",
+    scale: float | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Attention of a chunk of new queries per row, at positions lengths[b] + i: over all that
+    `cache` holds of `layer` (positions [0, lengths)), and causally over the chunk itself.
+
+    q [B, C, Hq, D]; k, v [B, C, Hkv, D] the chunk's own keys and values (post-RoPE, in full
+    precision: the chunk is appended to the cache after its attention, `extend`), row b's
+    first counts[b] valid. The two parts are merged by log-sum-exp. Returns [B, C, Hq, D] in
+    q.dtype; query rows at or past counts[b] are unspecified (finite).
+
+    implementation:
+      "cudnn"      GPUs, 16-bit q: the layer's past dequantized to q's dtype in one fused pass
+                   (`KiviCache.layer_kv`), then cuDNN's flash attention (tensor cores) for the
+                   past and, causally, for the chunk, with their log-sum-exps.
+      "pallas"     KIVI caches: the decode kernel with the chunk's queries folded into its
+                   query rows, KERNEL_QUERY_ROWS per kv head per launch (each launch reads the
+                   whole past: right, and memory-bound).
+      "reference"  float32, the past PAST_BLOCK positions at a time.
+      "auto"       "cudnn" where it applies, else "reference"; on token shards the kernel
+                   where it applies, else the folded form.
+    Inside `jax.shard_map` over a KIVI cache's token axes (`cache.seq_axis`) each device
+    attends its own positions and the parts are merged across the axis ("cudnn" declines
+    there).
+    """
+    if implementation not in CHUNK_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {CHUNK_IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if not isinstance(cache, KiviCache | DenseCache):
+        raise ValueError(f"cache must be a KiviCache or DenseCache, got {type(cache).__name__}")
+    if getattr(q, "ndim", None) != 4:
+        raise ValueError(f"q must have shape [B, C, Hq, D], got {getattr(q, 'shape', q)}")
+    bsz, c, hq, d = q.shape
+    _check_query(q[:, 0], cache)
+    want = (bsz, c, cache.kv_heads, d)
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"k and v must be [B, C, Hkv, D] = {want}, got {k.shape}, {v.shape}")
+    if getattr(counts, "shape", None) != (bsz,):
+        raise ValueError(f"counts must be [B]={bsz} int32, got {getattr(counts, 'shape', counts)}")
+    scale = _check_scale(scale, d)
+    layer, _ = check_layer(layer, cache.num_layers)
+    sharded = isinstance(cache, KiviCache) and cache.seq_axis is not None
+    impl = implementation
+    if impl == "pallas" and not isinstance(cache, KiviCache):
+        raise NotImplementedError("the Pallas kernel reads quantized caches only")
+    if impl == "cudnn" and sharded:
+        raise NotImplementedError("the cuDNN path reads whole caches, not token shards")
+    if impl == "auto" and sharded:
+        impl = "pallas" if _kernel_applies(q[:, 0], cache) else "reference"
+    elif impl == "auto":
+        impl = "cudnn"
+    if impl == "cudnn":
+        try:
+            past, own = _chunk_cudnn(q, k, v, counts, cache, layer, scale)
+            return _unfold_chunk(merge_partials([past, own])[0], c).astype(q.dtype)
+        except NotImplementedError:  # no GPU, or cuDNN declined: "auto" falls back
+            if implementation == "cudnn":
+                raise
+            impl = "reference"
+    h = cache.kv_heads
+    qf = _fold_chunk(q, h)  # [B, Hkv, C r, D]
+    qg = qf.astype(jnp.float32) * scale
+    kvt = lambda x: x.swapaxes(1, 2).astype(jnp.float32)  # [B, Hkv, C, D]
+    r = hq // h
+    query = jnp.arange(c * r) // r
+    key = jnp.arange(c)
+    causal = (key[None, :] <= query[:, None])[None, None] & (key < counts[:, None])[:, None, None]
+    own = _softmax_attend(qg, kvt(k), kvt(v), causal)
+    try:
+        past = _past(qg, qf, cache, layer, impl, scale, interpret)
+    except NotImplementedError:  # the kernel declined: "auto" falls back
+        if implementation == "pallas":
+            raise
+        past = _past(qg, qf, cache, layer, "reference", scale, interpret)
+    if sharded:
+        from kivi_jax.parallel import _merge_across
+
+        axis = cache.seq_axis  # the chunk's own part counts once, on the first shard
+        own = (own[0], jnp.where(jax.lax.axis_index(axis) == 0, own[1], -jnp.inf))
+        o = _merge_across(*merge_partials([past, own]), axis)
+    else:
+        o, _ = merge_partials([past, own])
+    return _unfold_chunk(o, c).astype(q.dtype)

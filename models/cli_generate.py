@@ -64,6 +64,12 @@ def generate(
         help="Split the KIVI cache's tokens over devices: seq=N, or data=M,seq=N (rows over "
         "data too); on a CPU that many host devices are created.",
     ),
+    prefill_chunk: int | None = typer.Option(
+        None,
+        "--prefill-chunk",
+        help="Prefill the prompt this many tokens at a time through the cache (each chunk "
+        "attends to the quantized past): peak memory the cache plus one chunk.",
+    ),
 ) -> None:
     """Generate text with SmolLM2 (or another Llama-family model) over a quantized KV cache."""
     import jax
@@ -89,6 +95,10 @@ def generate(
             raise ValueError("--mesh splits a KIVI cache's tokens: pick a KIVI --cache")
         if mesh_axes and stream:
             raise ValueError("--mesh runs the jitted generation loop: drop --stream")
+        if prefill_chunk is not None:
+            checks.check_positive(prefill_chunk, "--prefill-chunk")
+            if stream:
+                raise ValueError("--prefill-chunk runs the jitted generation: drop --stream")
     checks.host_devices(mesh_axes)  # before the first JAX computation
     enable_compile_cache()
 
@@ -138,6 +148,7 @@ def generate(
             config,
             [ids],
             mesh=checks.make_mesh(mesh_axes) if mesh_axes else None,
+            prefill_chunk=prefill_chunk,
             cache=cache,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
@@ -173,6 +184,7 @@ def generate(
         decode_tokens_per_second=round(out.decode_tokens_per_second, 2),
         backend=jax.default_backend(),
         implementation=implementation,
+        prefill_chunk=prefill_chunk,
     )
     if json_out:
         print(json.dumps(result))

@@ -184,6 +184,11 @@ prefill_jit = jax.jit(
     static_argnames=("config", "all_logits", "kv_transform"),
     donate_argnames=("cache",),
 )
+prefill_chunked_jit = jax.jit(
+    llama.prefill_chunked,
+    static_argnames=("config", "chunk", "implementation"),
+    donate_argnames=("cache",),
+)
 decode_step_jit = jax.jit(
     llama.decode_step, static_argnames=("config", "implementation"), donate_argnames=("cache",)
 )
@@ -204,7 +209,10 @@ sample_jit = jax.jit(sample, static_argnames=("sampling",))
 
 def compiled_programs() -> int:
     """Programs compiled so far by the jitted prefill / decode loop / step (for tests)."""
-    return prefill_jit._cache_size() + decode_loop_jit._cache_size() + decode_step_jit._cache_size()
+    return sum(
+        f._cache_size()
+        for f in (prefill_jit, prefill_chunked_jit, decode_loop_jit, decode_step_jit)
+    )
 
 
 @dataclasses.dataclass
@@ -298,7 +306,27 @@ def _mesh_rules(mesh, rules):
     return rules
 
 
-def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implementation):
+def chunk_implementation(implementation: str) -> str:
+    """The `chunk_attention` implementation a chunked prefill uses beside a decode
+    `implementation`: the reference with the reference (or its folded form), else "auto"
+    (cuDNN's flash attention over the dequantized past on GPUs)."""
+    return "reference" if implementation in ("reference", "folded") else "auto"
+
+
+def _prefill_fn(config, prefill_chunk, implementation):
+    """The prefill of a generation: (params, tokens, lengths, cache) -> (logits, cache), in one
+    piece (`llama.prefill`) or `prefill_chunk` tokens at a time (`llama.prefill_chunked`)."""
+    if prefill_chunk is None:
+        return lambda params, tokens, lengths, c: llama.prefill(params, config, tokens, lengths, c)
+    impl = chunk_implementation(implementation)
+    return lambda params, tokens, lengths, c: llama.prefill_chunked(
+        params, config, tokens, lengths, c, chunk=prefill_chunk, implementation=impl
+    )
+
+
+def _sharded_programs(
+    mesh, rules, cache, config, num_slots, sampling, implementation, prefill_chunk=None
+):
     """(prefill, decode loop) over `mesh`: the model replicated on every device, each device's
     cache one shard of the token axes (`kivi_jax.parallel`: attended and written where the
     tokens are), rows over the rows' axis."""
@@ -310,8 +338,7 @@ def _sharded_programs(mesh, rules, cache, config, num_slots, sampling, implement
     specs = cache_specs(cache, rules)
     row = P(rows_axis)
 
-    def prefill(params, tokens, lengths, c):
-        return llama.prefill(params, config, tokens, lengths, c)
+    prefill = _prefill_fn(config, prefill_chunk, implementation)
 
     def loop(params, logits, c, rng, max_new, stops):
         return _decode_loop(
@@ -366,6 +393,7 @@ def generate(
     residual_length: int | None = None,
     mesh=None,
     rules=None,
+    prefill_chunk: int | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
 
@@ -379,9 +407,17 @@ def generate(
     (`kivi_jax.parallel`), rows over "data", the weights replicated; `rules` as
     `kivi_jax.sharding`'s (default: that). The capacity is rounded up to whole blocks of 256
     tokens per shard. Greedy output equals the unsharded one up to float32 rounding.
+
+    prefill_chunk: prefill the prompts that many tokens at a time through the cache
+    (`llama.prefill_chunked`: each chunk attends to the cache's quantized past and exactly to
+    itself), so that a prompt's dense K/V never exist at once; None prefills in one piece.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk is not None and (
+        not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     params = decode_layout(params)
     check_token_ids(prompts, config)
     n_prompts = len(prompts)
@@ -413,6 +449,16 @@ def generate(
     cache_bytes = c.nbytes().total
 
     run_prefill = lambda params, tokens, lengths, c: prefill_jit(params, config, tokens, lengths, c)
+    if prefill_chunk is not None:
+        run_prefill = lambda params, tokens, lengths, c: prefill_chunked_jit(
+            params,
+            config,
+            tokens,
+            lengths,
+            c,
+            chunk=prefill_chunk,
+            implementation=chunk_implementation(implementation),
+        )
     run_loop = functools.partial(
         decode_loop_jit,
         config=config,
@@ -424,7 +470,7 @@ def generate(
         params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
         c = kivi_jax.sharding.shard_cache(c, mesh, rules)
         run_prefill, run_loop = _sharded_programs(
-            mesh, rules, c, config, N, sampling, implementation
+            mesh, rules, c, config, N, sampling, implementation, prefill_chunk
         )
 
     _, comp0 = compile_stats()

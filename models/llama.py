@@ -39,6 +39,7 @@ from flax import nnx
 from jax import Array
 
 from kivi_jax import decode_attention
+from kivi_jax.attention import chunk_attention
 from models.presets import ModelConfig
 
 Params = dict
@@ -351,6 +352,85 @@ def prefill(
     last = jnp.clip(lengths.astype(jnp.int32) - 1, 0, tokens.shape[1] - 1)
     xl = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     return _logits(params, xl, config), cache
+
+
+def _chunk_hidden(params, config, tokens, counts, cache, implementation):
+    """One chunk through every layer: tokens [B, C] at positions cache.lengths + i, attending
+    to the cache and causally to the chunk (`chunk_attention`); then the chunk is appended
+    (`extend`). Returns (hidden [B, C, d] after the last layer, cache)."""
+    c = config
+    dtype = _model_dtype(params)
+    x = _embed(params, tokens, dtype)
+    B, C = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)
+
+    def layer(x, xs):
+        lp, l = xs
+        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        q, k, v = _qkv(lp, h, c, positions)  # [B, C, H, D]
+        k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+        o = chunk_attention(q, k, v, counts, cache, l, implementation=implementation)
+        x = x + _dense(o.reshape(B, C, -1), lp["wo"]).astype(dtype)
+        x = _mlp(lp, x, c)
+        return x, (k.swapaxes(1, 2), v.swapaxes(1, 2))
+
+    layers = params["layers"]
+    if isinstance(layers, tuple | list):
+        outs = []
+        for i, lp in enumerate(layers):
+            x, kv = layer(x, (lp, i))
+            outs.append(kv)
+        ks, vs = (jnp.stack(a) for a in zip(*outs, strict=True))
+    else:
+        n = jax.tree.leaves(layers)[0].shape[0]
+        x, (ks, vs) = jax.lax.scan(layer, x, (layers, jnp.arange(n, dtype=jnp.int32)))
+    return x, cache.extend(ks, vs, counts)
+
+
+def prefill_chunked(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    lengths: Array,
+    cache,
+    *,
+    chunk: int,
+    implementation: str = "auto",
+):
+    """`prefill` through the cache, `chunk` tokens at a time: each chunk attends to what the
+    cache holds (quantized tokens and the residual window, as decode does) and exactly,
+    causally, to itself, then is appended as streaming would append it. Peak memory is the
+    cache plus one chunk's activations, whatever the prompt length.
+
+    tokens [B, S] right-padded, lengths [B] (1 <= lengths <= S), `cache` empty (rows holding
+    no token). Returns (logits float32 [B, V] at position lengths - 1, cache). The chunks run
+    in a `lax.fori_loop`: one compiled chunk step for any S. implementation: that of
+    `kivi_jax.attention.chunk_attention`.
+    """
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+    B, S = tokens.shape
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B]={B}, got shape {lengths.shape}")
+    n_chunks = -(-S // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - S)))
+    lengths = lengths.astype(jnp.int32)
+
+    def body(j, carry):
+        logits, cache = carry
+        start = j * chunk
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        counts = jnp.clip(lengths - start, 0, chunk)
+        x, cache = _chunk_hidden(params, config, toks, counts, cache, implementation)
+        last = lengths - 1 - start  # the row's last prompt token, if in this chunk
+        xl = jnp.take_along_axis(x, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        here = (last >= 0) & (last < chunk)
+        return jnp.where(here[:, None], _logits(params, xl, config), logits), cache
+
+    logits = jnp.zeros((B, config.vocab_size), jnp.float32)
+    return jax.lax.fori_loop(0, n_chunks, body, (logits, cache))
 
 
 def decode_step(

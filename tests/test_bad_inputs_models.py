@@ -441,6 +441,8 @@ CLI_FLAG_CASES = [
     (["generate", "-p", "hi", "--mesh", "data=2"], ["--mesh 'data=2'", "seq axis"]),
     (["generate", "-p", "hi", "--mesh", "seq=2", "--cache", "fp16"], ["--mesh", "KIVI"]),
     (["generate", "-p", "hi", "--mesh", "seq=2", "--stream"], ["--mesh", "--stream"]),
+    (["generate", "-p", "hi", "--prefill-chunk", "0"], ["--prefill-chunk must be >= 1"]),
+    (["generate", "-p", "hi", "--prefill-chunk", "8", "--stream"], ["--prefill-chunk", "--stream"]),
     (["eval", "ppl", "--mesh", "seq=2", "--protocol", "simulated"], ["--mesh", "streaming"]),
     (["eval", "ppl", "--mesh", "seq=2", "--cache", "fp16"], ["--mesh", "KIVI"]),
     (["eval", "ppl", "--mesh", "data=2"], ["--mesh 'data=2'", "seq axis"]),
