@@ -9,6 +9,8 @@ tokens (contents left zero: decode cost does not depend on the values), then the
 generation loop (`models.generate.decode_loop_jit`: while_loop over decode_step + greedy
 sampling, cache donated) runs `steps` decode steps. A first call with the same shapes compiles
 (its time is reported separately); the second is timed. tokens/s = batch * steps / seconds.
+`peak_device_bytes` is the process's peak allocation after the point (weights included; it
+never decreases, so a point's own peak needs a process of its own).
 The dense cache attends through --dense-impl; each fp16 record names the path that ran
 (`dense_path`: "cudnn" or "xla"; "auto" takes cuDNN on a GPU for a 16-bit cache).
 
@@ -62,6 +64,12 @@ def free_bytes() -> int | None:
     if "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def peak_bytes() -> int | None:
+    """The device's peak allocation so far (weights included), where the backend reports it."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def filled_cache(
@@ -263,6 +271,7 @@ def main(argv=None):
                             seconds=round(secs, 4),
                             tokens_per_s=round(tps, 1),
                             cache_bytes=nbytes,
+                            peak_device_bytes=peak_bytes(),
                         )
                     except Exception as e:  # noqa: BLE001 - record and go on
                         rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -298,14 +307,15 @@ def main(argv=None):
     )
     print(
         f"{'model':14} {'batch':>5} {'context':>7} {'cache':6} {'impl':9} {'tok/s':>9} "
-        f"{'cache MB':>9}"
+        f"{'cache MB':>9} {'peak GB':>8}"
     )
     for r in result["points"]:
         tps = f"{r['tokens_per_s']:9.1f}" if "tokens_per_s" in r else "    error"
         mb = f"{r['cache_bytes'] / 1e6:9.1f}" if "cache_bytes" in r else ""
+        peak = f"{r['peak_device_bytes'] / 1e9:8.1f}" if r.get("peak_device_bytes") else ""
         print(
             f"{r['model']:14} {r['batch']:5d} {r['context']:7d} {r['cache']:6} {r['impl']:9} "
-            f"{tps} {mb}"
+            f"{tps} {mb} {peak}"
         )
     for r in result["max_batch"]:
         print(

@@ -254,6 +254,22 @@ def test_generate_tiny_runs_and_writes_its_json(tmp_path):
     assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
 
 
+def test_prefill_tiny_runs_chunked_and_one_piece_and_writes_its_json(tmp_path):
+    from bench import prefill
+
+    args = ["--tiny", "--caches", "kivi2,fp16", "--one-piece", "--out", str(tmp_path)]
+    res = prefill.main(args)
+    runs = res["runs"]
+    assert [(r["cache"], r["chunk"]) for r in runs] == [
+        ("kivi2", 128), ("fp16", 128), ("kivi2", "none"), ("fp16", "none"),
+    ]  # fmt: skip
+    assert all(r["logits_finite"] and r["decode_tokens_per_s"] > 0 for r in runs), runs
+    # 512 tokens: 4 D Hq L x S (S + 1) / 2 FLOPs of attention
+    assert runs[0]["attention_flops"] == 4 * 32 * 4 * 2 * 512 * 513 / 2
+    saved = json.loads((tmp_path / "prefill_bench.json").read_text())
+    assert saved["env"]["command"].startswith("python -m bench.prefill --tiny")
+
+
 def test_step_profile_tiny_runs_and_writes_its_json(tmp_path):
     from bench import step_profile
 
