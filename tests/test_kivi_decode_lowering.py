@@ -8,6 +8,7 @@ launches and each per-shape feature, and `Plan`'s properties say where each feat
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +35,7 @@ from pallas_kernels.kivi_decode.config import (
     padded_heads,
     smem_bytes,
     value_channel_order,
+    windows_fit,
 )
 from pallas_kernels.sm90.layout import RESCALE_SLACK
 
@@ -70,21 +72,32 @@ def test_window_launches_cross_lower_for_sm90(case):
 
 def test_window_gating():
     """choose_tuning with windows: the launch sizes as without them; where the windows' chunk
-    buffers fit, the q prologue in the kernel, and a one-wave launch of one warpgroup per
-    block merges its splits there; the four-warpgroup anchor launch stays as it was (the
-    windows are then attended outside the kernel)."""
-    kw = dict(key_bits=2, value_bits=2, group_size=128, q_heads=4)
-    for B, T in ((1, 1280), (1, 8448), (8, 8448), (8, 131072)):
+    buffers fit (`windows_fit`), the q prologue in the kernel, and a one-wave launch of one
+    warpgroup per block merges its splits there; elsewhere the launch stays as it was and the
+    call declines the windows (attended outside the kernel): the four-warpgroup anchor, and
+    long 4-bit launches whose blocks per SM the buffers would halve."""
+    cases = ((2, 1, 1280), (2, 1, 8448), (2, 8, 8448), (2, 8, 131072), (4, 8, 8448), (4, 8, 131328))
+    for bits, B, T in cases:
+        kw = dict(key_bits=bits, value_bits=bits, group_size=128, q_heads=4)
         bare, win = choose_tuning(B, 8, T, **kw), choose_tuning(B, 8, T, **kw, window=128)
         sizes = lambda t: (t.num_splits, t.stages, t.wg_per_block, t.warp_softmax)
         assert sizes(win) == sizes(bare)
-        fits = smem_bytes(bare, key_bits=2, value_bits=2, group_size=128, padded_heads=8,
-                          window=128) <= SMEM_LIMIT  # fmt: skip
+        size = functools.partial(
+            smem_bytes, key_bits=bits, value_bits=bits, group_size=128, padded_heads=8
+        )
+        fits = windows_fit(bare, T // 256, 128, size)
         assert win.q_prologue == (fits or bare.q_prologue)
         one_wave = fits and win.wg_per_block == 1 and B * 8 * win.num_splits <= 132
         assert win.merge_splits == (bare.merge_splits or (one_wave and win.num_splits <= 8))
+    kw = dict(key_bits=2, value_bits=2, group_size=128, q_heads=4)
     assert choose_tuning(1, 8, 1280, **kw, window=128).merge_splits
     assert choose_tuning(8, 8, 131072, **kw, window=128) == choose_tuning(8, 8, 131072, **kw)
+    four = dict(key_bits=4, value_bits=4, group_size=128, q_heads=4)
+    assert choose_tuning(8, 8, 8448, **four, window=128).q_prologue  # short units: taken
+    long = choose_tuning(8, 8, 131328, **four)  # 129 steps per split: declined
+    assert choose_tuning(8, 8, 131328, **four, window=128) == long
+    size = functools.partial(smem_bytes, key_bits=4, value_bits=4, group_size=128, padded_heads=8)
+    assert size(long, window=128) <= SMEM_LIMIT  # it would fit, halving the blocks per SM
 
 
 @pytest.mark.parametrize("kbg", ["2:128", "2:32"])

@@ -23,6 +23,7 @@ SUPPORTED_GROUPS = (32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_PADDED_HEADS = 256  # mma.sync / wgmma N limit
 SMEM_LIMIT = 223 * 1024  # H200: 227 KiB per block, less a margin for Mosaic's own scratch
+LONG_UNIT_STEPS = 64  # steps per split from which a unit is throughput-bound (`windows_fit`)
 STEP_TOKENS = CACHE_BLOCK  # tokens per pipeline step: one block of the cache order
 BIAS_ROWS = 16  # key groups per dense_bias block: mma.sync's M
 
@@ -329,6 +330,30 @@ def smem_bytes(
     return W * per_wg + 4096
 
 
+def units_per_sm(tuning: TuningConfig, smem: int) -> int:
+    """Units (rows x splits) an SM runs at once: with several warpgroups per block one block
+    per SM, a unit per warpgroup; with one, as many blocks as the shared memory allows, at
+    most two (~200-250 registers per thread allow two blocks of 128 threads per SM)."""
+    if tuning.wg_per_block > 1:
+        return tuning.wg_per_block
+    return max(1, min(2, (227 * 1024) // smem))
+
+
+def windows_fit(tuning: TuningConfig, steps: int, window: int, size) -> bool:
+    """Whether a launch of `tuning` over `steps` pipeline steps per row takes the window
+    tail's buffers (`size(tuning, window=...)`: its shared memory). Where the buffers would
+    halve the blocks per SM, only short units take them: a unit of a few dozen steps mostly
+    waits on latency, which the second wave hides, and attending the windows outside the
+    kernel costs launches; a long one (LONG_UNIT_STEPS or more per split, e.g. 4-bit B = 8,
+    T = 128k) is throughput, and half the blocks per SM made it 7% slower than the windows
+    outside."""
+    smem = size(tuning, window=window)
+    if smem > SMEM_LIMIT:
+        return False
+    halved = units_per_sm(tuning, smem) < units_per_sm(tuning, size(tuning))
+    return not halved or -(-steps // tuning.num_splits) < LONG_UNIT_STEPS
+
+
 def choose_tuning(
     batch: int,
     kv_heads: int,
@@ -389,10 +414,7 @@ def choose_tuning(
             "stages"
         )
     steps = max_tokens // STEP_TOKENS
-    if wg_per_block > 1:  # one block per SM, W splits in it
-        slots = num_sms * wg_per_block
-    else:  # ~200-250 registers per thread allow two blocks of 128 threads per SM
-        slots = num_sms * max(1, min(2, (227 * 1024) // smem))
+    slots = num_sms * units_per_sm(base, smem)
     bh = batch * kv_heads
     costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
     best = min(costs.values())
@@ -442,7 +464,7 @@ def choose_tuning(
         and -(-bh * S // wg_per_block) <= num_sms
     )
     out = dataclasses.replace(out, merge_splits=fused, pdl=fused, q_prologue=fused)
-    if window and size(out, window=window) <= SMEM_LIMIT:
+    if window and windows_fit(out, steps, window, size):
         # With the windows in the kernel, a launch of one wave whose rows fit a cluster also
         # merges its splits there: then nothing but the output's transpose runs around it.
         one_wave = wg_per_block == 1 and bh * S <= num_sms and S <= MAX_CLUSTER

@@ -14,6 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kivi_decode.config import (
     MAX_PADDED_HEADS,
     SMEM_LIMIT,
+    STEP_TOKENS,
     SUPPORTED_BITS,
     SUPPORTED_GROUPS,
     SUPPORTED_HEAD_DIMS,
@@ -23,6 +24,7 @@ from pallas_kernels.kivi_decode.config import (
     padded_heads,
     smem_bytes,
     value_channel_order,
+    windows_fit,
 )
 from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
 from pallas_kernels.merge import merge_partials
@@ -346,18 +348,19 @@ def kivi_decode(
         if low_precision:
             tuning = dataclasses.replace(tuning, fp8_values=True)
     W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
-    smem = smem_bytes(
-        tuning,
+    size = functools.partial(
+        smem_bytes,
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,
         head_dim=D,
         padded_heads=padded_heads(Hq // Hkv),
-        window=W,
     )
-    if smem > SMEM_LIMIT and W and chosen:
+    smem = size(tuning, window=W)
+    if W and chosen and not windows_fit(tuning, Tq // STEP_TOKENS, W, size):
         raise NotImplementedError(
-            f"the {W}-slot windows do not fit the shared memory beside {tuning}'s pipelines"
+            f"the {W}-slot windows do not fit beside {tuning}'s pipelines (shared memory, "
+            "or blocks per SM of a long launch)"
         )
     if smem > SMEM_LIMIT:
         raise ValueError(
