@@ -15,6 +15,7 @@ from kivi_jax.config import KiviConfig
 from kivi_jax.parallel import (
     sequence_parallel_append,
     sequence_parallel_attention,
+    sequence_parallel_extend,
     sequence_parallel_prefill,
 )
 from kivi_jax.quant import (
@@ -48,6 +49,7 @@ __all__ = [
     "quantize_values",
     "sequence_parallel_append",
     "sequence_parallel_attention",
+    "sequence_parallel_extend",
     "sequence_parallel_prefill",
     "unpack",
 ]

@@ -252,3 +252,22 @@ def sequence_parallel_prefill(
         (k, v, jnp.asarray(lengths)),
         (spec, spec, jax.P("batch")),
     )
+
+
+def sequence_parallel_extend(
+    cache: KiviCache, k: Array, v: Array, counts: Array, *, mesh: Mesh, rules=None
+):
+    """`cache.extend(k, v, counts)` (a chunk k, v [L, B, Hkv, C, D], replicated over the token
+    axis's mesh axis; chunked prefill) on a cache whose token axes are sharded over it: every
+    device updates its replicated windows and quantizes only the positions it holds. Equal to
+    the unsharded extend bit for bit. Errors as `sequence_parallel_attention`'s, and
+    `KiviCache.extend`'s."""
+    spec = jax.P(None, "batch", "kv_heads", None, None)
+    return _per_shard(
+        lambda c, k, v, n: c.extend(k, v, n),
+        cache,
+        mesh,
+        rules,
+        (k, v, jnp.asarray(counts)),
+        (spec, spec, jax.P("batch")),
+    )

@@ -174,6 +174,37 @@ def test_sharded_prefill_and_appends_equal_unsharded_bit_for_bit(name, group, me
     assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce", hlo)
 
 
+@pytest.mark.parametrize("name,group,mesh_shape", CASES[:2], ids=str)
+def test_sharded_chunk_extends_equal_unsharded_bit_for_bit(name, group, mesh_shape):
+    """Chunks appended where their positions live (chunked prefill's write), ragged counts,
+    chunks crossing a shard boundary (512 per shard at seq=4): equal to the unsharded
+    extends in every array, with no collective at all."""
+    mesh = _mesh(*mesh_shape)
+    c0 = kj.make_cache(
+        name,
+        num_layers=L,
+        batch=4,
+        kv_heads=HKV,
+        head_dim=D,
+        max_len=2048,
+        dtype=jnp.float32,
+        residual_length=128,
+        group_size=group,
+    )
+    extend = jax.jit(lambda c, k, v, n: kj.sequence_parallel_extend(c, k, v, n, mesh=mesh))
+    plain = jax.jit(lambda c, k, v, n: c.extend(k, v, n))
+    got, want = shard_cache(c0, mesh, LONG_CONTEXT_RULES), c0
+    for i, counts in enumerate(([200, 300, 0, 1], [200, 250, 7, 300], [200, 0, 100, 300])):
+        k, v = (
+            jax.random.normal(jax.random.key(10 + 2 * i + j), (L, 4, HKV, 300, D)) for j in (0, 1)
+        )
+        n = jnp.asarray(counts, jnp.int32)
+        got, want = extend(got, k, v, n), plain(want, k, v, n)
+    _gathered_equal(got, want)
+    hlo = extend.lower(got, k, v, n).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce", hlo)
+
+
 def test_decode_attention_inside_a_users_shard_map():
     """A cache that knows its shard (`seq_axis`, inside shard_map) makes `decode_attention`
     itself sequence-parallel: what a model's layer code calls, unchanged."""
