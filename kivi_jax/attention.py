@@ -535,10 +535,10 @@ def _past(qg, qf, cache, layer, impl: str, scale, interpret) -> tuple[Array, Arr
     b, _, n, d = qg.shape
     flat = lambda x: x.reshape(b, -1, d)
     if isinstance(cache, KiviCache) and cache.seq_axis is not None:
-        from kivi_jax.parallel import _local_attention
+        from kivi_jax.parallel import local_attention
 
         local = "pallas" if impl == "pallas" else "folded"
-        part = lambda g, f: _local_attention(
+        part = lambda g, f: local_attention(
             g, flat(f), cache, layer, cache.seq_axis, local, scale, interpret
         )
     elif impl == "pallas":
@@ -635,11 +635,11 @@ def chunk_attention(
             raise
         past = _past(qg, qf, cache, layer, "reference", scale, interpret)
     if sharded:
-        from kivi_jax.parallel import _merge_across
+        from kivi_jax.parallel import merge_across
 
         axis = cache.seq_axis  # the chunk's own part counts once, on the first shard
         own = (own[0], jnp.where(jax.lax.axis_index(axis) == 0, own[1], -jnp.inf))
-        o = _merge_across(*merge_partials([past, own]), axis)
+        o = merge_across(*merge_partials([past, own]), axis)
     else:
         o, _ = merge_partials([past, own])
     return _unfold_chunk(o, c).astype(q.dtype)

@@ -52,7 +52,7 @@ def _mesh_axis(rules: Mapping, name: str) -> str | None:
     return axis
 
 
-def _local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, interpret):
+def local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, interpret):
     """(o [B, Hkv, r, D], lse [B, Hkv, r]) of this device's quantized positions, and on the
     first shard of `seq_axis` the windows too."""
     shard = lax.axis_index(seq_axis)
@@ -84,8 +84,8 @@ def shard_attention(qg, q, cache: KiviCache, layer, implementation, scale, inter
     if impl == "auto":
         impl = "pallas" if _kernel_applies(q, cache) else "folded"
     axis = cache.seq_axis
-    o, lse = _local_attention(qg, q, cache, layer, axis, impl, scale, interpret)
-    return _merge_across(o, lse, axis)
+    o, lse = local_attention(qg, q, cache, layer, axis, impl, scale, interpret)
+    return merge_across(o, lse, axis)
 
 
 def on_token_shards(fn, seq_axis: str):
@@ -101,7 +101,7 @@ def on_token_shards(fn, seq_axis: str):
     return lambda *args: mark(fn(*mark(args, seq_axis)), None)
 
 
-def _merge_across(o: Array, lse: Array, axis: str) -> Array:
+def merge_across(o: Array, lse: Array, axis: str) -> Array:
     """The log-sum-exp merge of every device's (o, lse) along mesh `axis`: one max and two
     sums. Empty everywhere: o = 0. A NaN part stays NaN."""
     top = lax.pmax(lse, axis)
