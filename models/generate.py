@@ -313,7 +313,7 @@ def chunk_implementation(implementation: str) -> str:
     return "reference" if implementation in ("reference", "folded") else "auto"
 
 
-def _prefill_fn(config, prefill_chunk, implementation):
+def prefill_program(config, prefill_chunk, implementation):
     """The prefill of a generation: (params, tokens, lengths, cache) -> (logits, cache), in one
     piece (`llama.prefill`) or `prefill_chunk` tokens at a time (`llama.prefill_chunked`)."""
     if prefill_chunk is None:
@@ -338,7 +338,7 @@ def _sharded_programs(
     specs = cache_specs(cache, rules)
     row = P(rows_axis)
 
-    prefill = _prefill_fn(config, prefill_chunk, implementation)
+    prefill = prefill_program(config, prefill_chunk, implementation)
 
     def loop(params, logits, c, rng, max_new, stops):
         return _decode_loop(

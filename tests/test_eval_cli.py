@@ -78,6 +78,9 @@ def test_memory_command_table_flags_and_errors():
         (["ppl", "--cache", "kivi2", "--group-size", "32", "--residual", "48"], "residual_length"),
         (["passkey", "--cache", "int2"], "unknown cache name"),
         (["passkey", "--depths", "a,b"], "--depths must be"),
+        (["ppl", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+        (["ppl", "--protocol", "simulated", "--prefill-chunk", "64"], "--prefill-chunk prefills"),
+        (["passkey", "--prefill-chunk", "-512"], "--prefill-chunk must be >= 1, got -512"),
     ],
 )
 def test_eval_bad_flags_fail_before_loading_a_model(args, msg):

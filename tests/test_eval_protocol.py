@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.eval import passkey, ppl
-from models.llama import decode_step, init_params, prefill
+from models.llama import decode_step, init_params, prefill, prefill_chunked
 from models.presets import ModelConfig
 
 TINY = ModelConfig(
@@ -43,7 +43,7 @@ def dense_full():
     return ppl.full_window_nll(tiny_params(), TINY, tiny_windows(), prefill_len=P)
 
 
-def streaming(name, g=32, r=32, batch_size=None):
+def streaming(name, g=32, r=32, batch_size=None, prefill_chunk=None):
     return ppl.streaming_nll(
         tiny_params(),
         TINY,
@@ -51,6 +51,7 @@ def streaming(name, g=32, r=32, batch_size=None):
         ppl.CacheSpec(name, g, r),
         prefill_len=P,
         batch_size=batch_size,
+        prefill_chunk=prefill_chunk,
     )
 
 
@@ -85,6 +86,38 @@ def test_quantized_streaming_differs_and_matches_a_plain_generation_loop():
         np.testing.assert_allclose(got[i], np.asarray(want), rtol=1e-4, atol=1e-4)
     # Batching over windows does not change the numbers.
     np.testing.assert_allclose(streaming("kivi2", 32, 0, batch_size=2), got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,g,r", [("fp16", 32, 32), ("kivi2", 16, 16), ("kivi4", 32, 0)])
+def test_one_prefill_chunk_is_the_one_piece_prefill(name, g, r):
+    # A chunk of P (or more) tokens sees an empty past: exact attention, then the cache holds
+    # what prefill stores (extend stores what streaming stores).
+    want = streaming(name, g, r)
+    for chunk in (P, 64):
+        got = streaming(name, g, r, prefill_chunk=chunk)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_chunks_over_a_full_precision_past_are_the_one_piece_prefill():
+    # fp16, or R = 64 >= P + T - 1 (nothing quantized): chunks attend to an exact past.
+    for name, g, r in (("fp16", 32, 32), ("kivi2", 32, 64)):
+        for chunk in (8, 13):  # 13: P = 40 is no multiple, the last chunk is ragged
+            got = streaming(name, g, r, prefill_chunk=chunk)
+            np.testing.assert_allclose(got, dense_full(), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_chunks_over_a_quantized_past_change_the_nll():
+    one = streaming("kivi2", 16, 16)
+    got = streaming("kivi2", 16, 16, prefill_chunk=8)
+    assert got.shape == (N, T) and np.isfinite(got).all()
+    # Later chunks attend to 2-bit keys and values where the one piece attended exactly.
+    assert np.abs(got - one).max() > 1e-3
+    np.testing.assert_allclose(
+        streaming("kivi2", 16, 16, batch_size=1, prefill_chunk=8), got, rtol=1e-5, atol=1e-5
+    )
+    for bad in (0, -8, 8.0, True):
+        with pytest.raises(ValueError, match="prefill_chunk must be a positive int"):
+            streaming("kivi2", 16, 16, prefill_chunk=bad)
 
 
 def test_simulated_protocol():
@@ -142,6 +175,13 @@ def test_evaluate_ppl_json_and_errors():
         )
     with pytest.raises(ValueError, match="protocol"):
         ppl.evaluate_ppl(tiny_params(), TINY, toks, ppl.CacheSpec("fp16"), protocol="oneshot")
+    kw = dict(prefill_len=P, decode_len=T, windows=N, prefill_chunk=16)
+    chunked = ppl.evaluate_ppl(tiny_params(), TINY, toks, ppl.CacheSpec("kivi2", 16, 16), **kw)
+    assert chunked["prefill_chunk"] == 16 and out["prefill_chunk"] is None
+    with pytest.raises(ValueError, match="simulated has none"):
+        ppl.evaluate_ppl(
+            tiny_params(), TINY, toks, ppl.CacheSpec("kivi2"), protocol="simulated", **kw
+        )
 
 
 def test_greedy_generate_matches_eager_argmax_loop():
@@ -176,6 +216,35 @@ def test_shared_prefill_generation_equals_per_cache_generation():
     for spec in specs:
         want = passkey.greedy_generate(params, TINY, prompts, spec, max_new_tokens=4)
         np.testing.assert_array_equal(shared[spec], want)
+
+
+def test_chunked_prefill_generation_runs_each_cache_through_its_own_chunks():
+    params = tiny_params()
+    prompts = [list(range(5, 25)), list(range(30, 71))]
+    specs = [ppl.CacheSpec("fp16"), ppl.CacheSpec("kivi2", 16, 16)]
+    one_piece = passkey.greedy_generate_shared(params, TINY, prompts, specs, max_new_tokens=4)
+    shared = passkey.greedy_generate_shared(
+        params, TINY, prompts, specs, max_new_tokens=4, prefill_chunk=8
+    )
+    for spec in specs:
+        want = passkey.greedy_generate(
+            params, TINY, prompts, spec, max_new_tokens=4, prefill_chunk=8
+        )
+        np.testing.assert_array_equal(shared[spec], want)
+    np.testing.assert_array_equal(shared[specs[0]], one_piece[specs[0]])  # an exact past
+    # The chunked prefill's own first token: the argmax of prefill_chunked's logits.
+    p = prompts[1]
+    cache = specs[1].make(TINY, batch=1, max_len=len(p) + 4, dtype=jnp.float32)
+    logits, _ = prefill_chunked(
+        params,
+        TINY,
+        jnp.asarray([p], jnp.int32),
+        jnp.array([len(p)], jnp.int32),
+        cache,
+        chunk=8,
+        implementation="reference",
+    )
+    assert shared[specs[1]][1, 0] == int(jnp.argmax(logits[0]))
 
 
 class ModTokenizer:
@@ -232,6 +301,20 @@ def test_evaluate_passkey_runs_every_cache_on_the_same_prompts():
         passkey.evaluate_passkey(
             tiny_params(), TINY, ModTokenizer(96), specs, lengths=(256,), max_positions=128
         )
+    chunked = passkey.evaluate_passkey(
+        tiny_params(),
+        TINY,
+        ModTokenizer(TINY.vocab_size),
+        specs,
+        lengths=(90,),
+        depths=(0.5,),
+        trials=2,
+        max_new_tokens=3,
+        prefill_chunk=32,
+    )
+    assert [r["prefill_chunk"] for r in chunked] == [32, 32] and res[0]["prefill_chunk"] is None
+    with pytest.raises(ValueError, match="prefill_chunk must be a positive int"):
+        passkey.evaluate_passkey(tiny_params(), TINY, ModTokenizer(96), specs, prefill_chunk=0)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -255,3 +338,10 @@ def test_streaming_over_a_seq_mesh_equals_one_device(shape, names):
         ppl.streaming_nll(
             tiny_params(), TINY, tiny_windows(), ppl.CacheSpec("fp16"), mesh=mesh, **kw
         )
+    # The chunked prefill inside shard_map: each chunk attends to the token shards and the
+    # chunk is written where its tokens belong.
+    want = ppl.streaming_nll(tiny_params(), TINY, tiny_windows(), spec, prefill_chunk=8, **kw)
+    got = ppl.streaming_nll(
+        tiny_params(), TINY, tiny_windows(), spec, mesh=mesh, prefill_chunk=8, **kw
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

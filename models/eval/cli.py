@@ -20,6 +20,11 @@ CacheOpt = Annotated[str, typer.Option(help="Cache: fp16, kivi2, kivi4, k4v2, pe
 GroupOpt = Annotated[int, typer.Option(help="G: quantization group size (quantized caches)")]
 ResidualOpt = Annotated[int, typer.Option(help="R: full-precision residual tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="Weights and residual dtype: float32, bfloat16")]
+PrefillChunkOpt = typer.Option(
+    "--prefill-chunk",
+    help="Prefill this many tokens at a time through the cache (each chunk attends to the "
+    "quantized past, as generate --prefill-chunk); default: one exact piece",
+)
 AllowUnusedOpt = Annotated[
     bool,
     typer.Option(
@@ -60,6 +65,7 @@ def ppl_cmd(
             "data=M,seq=N; on a CPU that many host devices are created"
         ),
     ] = None,
+    prefill_chunk: Annotated[int | None, PrefillChunkOpt] = None,
 ) -> None:
     """Perplexity through a KV cache: streaming (prefill P, decode T through the cache) or
     simulated (quantize-dequantize every K/V inside one forward pass)."""
@@ -75,11 +81,14 @@ def ppl_cmd(
             (decode, "--decode"),
             (windows, "--windows"),
             (batch_size, "--batch-size"),
+            (prefill_chunk, "--prefill-chunk"),
         ):
             checks.check_positive(value, flag)
         checks.check_implementation(implementation, [cache])
         if protocol not in ppl.PROTOCOLS:
             raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
+        if prefill_chunk is not None and protocol != "streaming":
+            raise ValueError("--prefill-chunk prefills the streaming protocol's cache")
         text = ppl.load_corpus(text_file)
         checks.check_model_source(model)
         mesh_axes = checks.parse_mesh(mesh)
@@ -116,15 +125,17 @@ def ppl_cmd(
             max_positions=config.max_position_embeddings,
             implementation=implementation,
             mesh=checks.make_mesh(mesh_axes) if mesh_axes else None,
+            prefill_chunk=prefill_chunk,
         )
     out = {"model": config.name, "corpus": text_file or "pydoc", "dtype": dtype, **out}
     if as_json:
         typer.echo(json.dumps(out))
     else:
+        chunked = f", prefill chunks of {prefill_chunk}" if prefill_chunk else ""
         typer.echo(
             f"{config.name} {protocol} {cache} (bits/elem {out['bits_per_element']:g}): "
             f"perplexity {out['ppl']:.4f} over {out['n_tokens']} tokens "
-            f"(P={prefill}, T={decode}, {windows} windows) in {out['seconds']:.1f} s"
+            f"(P={prefill}, T={decode}, {windows} windows{chunked}) in {out['seconds']:.1f} s"
         )
 
 
@@ -178,6 +189,7 @@ def passkey_cmd(
     ] = "auto",
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    prefill_chunk: Annotated[int | None, PrefillChunkOpt] = None,
 ) -> None:
     """Passkey retrieval accuracy per (length, depth), greedy, for each cache on the same keys."""
     from models import cli_checks as checks
@@ -191,6 +203,7 @@ def passkey_cmd(
             (trials, "--trials"),
             (max_new_tokens, "--max-new-tokens"),
             (batch_size, "--batch-size"),
+            (prefill_chunk, "--prefill-chunk"),
         ):
             checks.check_positive(value, flag)
         checks.check_implementation(implementation, names)
@@ -229,6 +242,7 @@ def passkey_cmd(
             implementation=implementation,
             on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
             batch_size=batch_size,
+            prefill_chunk=prefill_chunk,
         )
     if as_json:
         typer.echo(json.dumps({"model": config.name, "results": results}))

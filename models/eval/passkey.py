@@ -137,8 +137,11 @@ def greedy_generate(
     *,
     max_new_tokens: int = 10,
     implementation: str = "reference",
+    prefill_chunk: int | None = None,
 ) -> np.ndarray:
-    """Greedy continuations int32 [B, max_new_tokens] of right-padded prompts through `spec`."""
+    """Greedy continuations int32 [B, max_new_tokens] of right-padded prompts through `spec`;
+    prefill_chunk: the prompt through the cache that many tokens at a time
+    (`models.llama.prefill_chunked`), else in one exact piece."""
     from models.eval.ppl import _model_dtype
 
     tokens, lengths = pad_prompts(prompts)
@@ -148,19 +151,24 @@ def greedy_generate(
         max_len=tokens.shape[1] + max_new_tokens,
         dtype=_model_dtype(params),
     )
-    first, cache = _prefill_fn(model_config)(
-        params, jnp.asarray(tokens), jnp.asarray(lengths), cache
+    run_prefill = _prefill_fn(
+        model_config, prefill_chunk, implementation if prefill_chunk else None
     )
+    first, cache = run_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
     fn = _continue_fn(model_config, max_new_tokens, implementation)
     return np.asarray(fn(params, first, cache))
 
 
-@functools.lru_cache(maxsize=4)
-def _prefill_fn(model_config):
-    from models.llama import prefill
+@functools.lru_cache(maxsize=8)
+def _prefill_fn(model_config, prefill_chunk=None, implementation=None):
+    """(params, tokens, lengths, cache) -> (greedy first token, cache), as generate prefills
+    (`models.generate.prefill_program`; implementation: the decode one, used only in chunks)."""
+    from models.generate import prefill_program as prefill_of
+
+    prefill = prefill_of(model_config, prefill_chunk, implementation)
 
     def run(params, tokens, lengths, cache):
-        logits, cache = prefill(params, model_config, tokens, lengths, cache)
+        logits, cache = prefill(params, tokens, lengths, cache)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     return jax.jit(run)
@@ -193,14 +201,31 @@ def greedy_generate_shared(
     *,
     max_new_tokens: int = 10,
     implementation: str = "reference",
+    prefill_chunk: int | None = None,
 ) -> dict[object, np.ndarray]:
     """greedy_generate for several caches with one prefill: {spec: tokens [B, max_new_tokens]}.
 
     Prefill attention is exact whatever the cache, so the prompt runs once into a dense cache
     (its K/V are the post-RoPE K/V `prefill` hands any cache) and each cache is then filled by
-    its own `prefill` from those K/V, which is what `models.llama.prefill` does with it.
+    its own `prefill` from those K/V, which is what `models.llama.prefill` does with it. With
+    prefill_chunk each cache runs its own chunked prefill instead: what a chunk attends to is
+    that cache's quantized past.
     """
     from models.eval.ppl import CacheSpec, _model_dtype
+
+    if prefill_chunk is not None:
+        return {
+            spec: greedy_generate(
+                params,
+                model_config,
+                prompts,
+                spec,
+                max_new_tokens=max_new_tokens,
+                implementation=implementation,
+                prefill_chunk=prefill_chunk,
+            )
+            for spec in specs
+        }
 
     tokens, lengths = pad_prompts(prompts)
     b, s = tokens.shape
@@ -234,17 +259,22 @@ def evaluate_passkey(
     implementation: str = "reference",
     on_cell=None,
     batch_size: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> list[dict]:
     """Passkey accuracy per (length, depth) cell over `trials` keys for each cache in `specs`.
 
-    Every cache sees the same prompts (the same keys) and the same exact prefill. Returns one
+    Every cache sees the same prompts (the same keys) and the same exact prefill, or with
+    prefill_chunk its own prefill through itself that many tokens at a time. Returns one
     JSON-able dict per cache: the grid, the overall accuracy, every answer, and timing.
     on_cell(length, depth) is called after each cell (progress). batch_size bounds the prompts
     prefilled at once (the prefill's attention scores grow as B S^2). Raises ValueError for a length
     beyond the model's context, trials < 1 or a cache that cannot take the model's head_dim.
     """
+    from models.eval.ppl import check_prefill_chunk
+
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
+    check_prefill_chunk(prefill_chunk)
     for n in lengths:
         if max_positions is not None and n > max_positions:
             raise ValueError(
@@ -275,6 +305,7 @@ def evaluate_passkey(
                     specs,
                     max_new_tokens=max_new_tokens,
                     implementation=implementation,
+                    prefill_chunk=prefill_chunk,
                 )
                 for i in range(0, len(prompts), step)
             ]
@@ -310,6 +341,7 @@ def evaluate_passkey(
             "seed": seed,
             "chat_template": chat_template,
             "max_new_tokens": max_new_tokens,
+            "prefill_chunk": prefill_chunk,
             **spec.describe(),
             "cells": res["cells"],
             "answers": res["answers"],

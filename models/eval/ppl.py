@@ -5,7 +5,9 @@ the token stream. Prefill the first P tokens (exact attention; the prompt then e
 by the cache's rules), score token P from the prefill's last logits, then teacher-force tokens
 P .. P+T-2 one decode step at a time through the cache, each step scoring the next token. So
 every scored logit comes from decode attention over the cache exactly as generation sees it.
-Decode steps are batched over windows (rows of one cache).
+Decode steps are batched over windows (rows of one cache). With a prefill chunk the P tokens
+go through the cache that many at a time instead (`models.llama.prefill_chunked`: each chunk
+attends to the quantized past, as `generate --prefill-chunk` does).
 
 Simulated: one forward pass over the whole window in which every layer's post-RoPE K and V are
 replaced by their quantize-dequantize image (all of them, no residual window), scoring the same
@@ -85,6 +87,14 @@ def check_context(prefill: int, decode: int, max_positions: int | None) -> None:
             f"P + T = {prefill} + {decode} = {prefill + decode} is longer than the model's "
             f"context of {max_positions} tokens"
         )
+
+
+def check_prefill_chunk(prefill_chunk) -> None:
+    """Raise ValueError unless `prefill_chunk` is None (one piece) or a positive int."""
+    if prefill_chunk is not None and (
+        not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
 
 
 def perplexity(nll: np.ndarray) -> float:
@@ -197,13 +207,18 @@ def _batches(n: int, batch_size: int | None):
         yield slice(i, min(i + b, n))
 
 
-def _streaming_run(model_config, prefill_len: int, decode_len: int, implementation: str):
-    from models.llama import decode_step, prefill
+def _streaming_run(
+    model_config, prefill_len: int, decode_len: int, implementation: str, prefill_chunk=None
+):
+    from models.generate import prefill_program
+    from models.llama import decode_step
+
+    run_prefill = prefill_program(model_config, prefill_chunk, implementation)
 
     def run(params, windows, cache):
         b = windows.shape[0]
         lengths = jnp.full((b,), prefill_len, jnp.int32)
-        logits, cache = prefill(params, model_config, windows[:, :prefill_len], lengths, cache)
+        logits, cache = run_prefill(params, windows[:, :prefill_len], lengths, cache)
         first = _target_nll(logits, windows[:, prefill_len])
 
         def step(cache, xs):
@@ -222,18 +237,24 @@ def _streaming_run(model_config, prefill_len: int, decode_len: int, implementati
 
 
 @functools.lru_cache(maxsize=8)
-def _streaming_fn(model_config, prefill_len: int, decode_len: int, implementation: str):
-    return jax.jit(_streaming_run(model_config, prefill_len, decode_len, implementation))
+def _streaming_fn(
+    model_config, prefill_len: int, decode_len: int, implementation: str, prefill_chunk=None
+):
+    return jax.jit(
+        _streaming_run(model_config, prefill_len, decode_len, implementation, prefill_chunk)
+    )
 
 
-def _sharded_streaming_fn(mesh, rules, cache, model_config, prefill_len, decode_len, impl):
+def _sharded_streaming_fn(
+    mesh, rules, cache, model_config, prefill_len, decode_len, impl, prefill_chunk=None
+):
     """`_streaming_fn` over `mesh`: the model replicated, each device's cache one shard of the
-    token axes (attended and written where the tokens are, `kivi_jax.parallel`), windows over
-    the rows' axis."""
+    token axes (attended and written where the tokens are, `kivi_jax.parallel`; a chunked
+    prefill too), windows over the rows' axis."""
     from kivi_jax.parallel import on_token_shards
     from kivi_jax.sharding import cache_specs
 
-    run = _streaming_run(model_config, prefill_len, decode_len, impl)
+    run = _streaming_run(model_config, prefill_len, decode_len, impl, prefill_chunk)
     seq, row = rules["cache_seq"], jax.P(rules.get("batch"))
     specs = cache_specs(cache, rules)
     local = on_token_shards(run, seq)
@@ -255,19 +276,23 @@ def streaming_nll(
     implementation: str = "reference",
     mesh=None,
     rules=None,
+    prefill_chunk: int | None = None,
 ) -> np.ndarray:
     """Per-token NLL [N, T] of the streaming protocol (module doc) through cache `spec`.
 
     mesh: a KIVI cache's token axes over its "seq" axis, windows over "data" where it has one
     (`models.generate.generate`'s mesh: the model replicated; equal to one device's NLL up to
-    float32 rounding)."""
+    float32 rounding). prefill_chunk: prefill the P tokens that many at a time through the
+    cache (`models.llama.prefill_chunked`, its attention `models.generate.chunk_implementation`
+    of `implementation`) instead of in one exact piece; ValueError unless a positive int."""
     windows = np.asarray(windows, np.int32)
     n, w = windows.shape
     decode_len = w - prefill_len
     if not 1 <= prefill_len < w:
         raise ValueError(f"prefill_len must be in [1, {w}), got {prefill_len}")
+    check_prefill_chunk(prefill_chunk)
     spec.config()
-    fn = _streaming_fn(model_config, prefill_len, decode_len, implementation)
+    fn = _streaming_fn(model_config, prefill_len, decode_len, implementation, prefill_chunk)
     dtype = _model_dtype(params)
     max_len, split = w, 1
     if mesh is not None:
@@ -291,7 +316,14 @@ def streaming_nll(
             cache = shard_cache(cache, mesh, rules)
             if len(rows) not in sharded_fns:  # one program per batch shape
                 sharded_fns[len(rows)] = _sharded_streaming_fn(
-                    mesh, rules, cache, model_config, prefill_len, decode_len, implementation
+                    mesh,
+                    rules,
+                    cache,
+                    model_config,
+                    prefill_len,
+                    decode_len,
+                    implementation,
+                    prefill_chunk,
                 )
             fn = sharded_fns[len(rows)]
         out.append(np.asarray(fn(params, jnp.asarray(rows), cache))[: sl.stop - sl.start])
@@ -360,13 +392,17 @@ def evaluate_ppl(
     max_positions: int | None = None,
     implementation: str = "reference",
     mesh=None,
+    prefill_chunk: int | None = None,
 ) -> dict:
     """Run one protocol and return a JSON-able dict (ppl, n_tokens, parameters, cache config).
-    mesh: the streaming protocol over a mesh (`streaming_nll`)."""
+    mesh, prefill_chunk: the streaming protocol over a mesh, prefilled in chunks
+    (`streaming_nll`)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if mesh is not None and protocol != "streaming":
         raise ValueError("a mesh splits the cache of the streaming protocol; simulated has none")
+    if prefill_chunk is not None and protocol != "streaming":
+        raise ValueError("a prefill chunk applies to the streaming protocol; simulated has none")
     check_context(prefill_len, decode_len, max_positions)
     cfg = spec.config()
     if cfg is not None:
@@ -383,6 +419,7 @@ def evaluate_ppl(
             batch_size=batch_size,
             implementation=implementation,
             mesh=mesh,
+            prefill_chunk=prefill_chunk,
         )
     else:
         nll = full_window_nll(
@@ -402,6 +439,7 @@ def evaluate_ppl(
         "prefill": prefill_len,
         "decode": decode_len,
         "windows": windows,
+        "prefill_chunk": prefill_chunk,
         "bits_per_element": bits_per_element(spec, model_config.head_dim),
         **spec.describe(),
         "group_size": spec.group_size if cfg is not None else None,
