@@ -405,7 +405,7 @@ def prefill_chunked(
     tokens [B, S] right-padded, lengths [B] (1 <= lengths <= S), `cache` empty (rows holding
     no token). Returns (logits float32 [B, V] at position lengths - 1, cache). The chunks run
     in a `lax.fori_loop`: one compiled chunk step for any S. implementation: that of
-    `kivi_jax.attention.chunk_attention`.
+    `kivi_jax.attention.chunk_attention`. A chunk of S or more is `prefill` itself.
     """
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
@@ -414,6 +414,8 @@ def prefill_chunked(
     B, S = tokens.shape
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be [B]={B}, got shape {lengths.shape}")
+    if chunk >= S:  # one chunk is the whole prompt: the one-piece prefill, bit for bit
+        return prefill(params, config, tokens, lengths, cache)
     n_chunks = -(-S // chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - S)))
     lengths = lengths.astype(jnp.int32)

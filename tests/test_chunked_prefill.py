@@ -59,7 +59,7 @@ LENGTHS = jnp.array([300, 137, 1], jnp.int32)
 @pytest.mark.parametrize(
     "name,kw", [("fp16", {}), ("kivi2", dict(residual_length=512, group_size=32))], ids=str
 )
-@pytest.mark.parametrize("chunk", [64, 100, 300])
+@pytest.mark.parametrize("chunk", [64, 100, 299])
 def test_equals_one_piece_prefill_where_nothing_is_quantized(params, name, kw, chunk):
     # A dense cache, or a window longer than the prompts: every chunk sees its past exactly.
     want, cw = llama.prefill(params, CFG, TOKENS, LENGTHS, _cache(name, 3, 320, **kw))
@@ -68,6 +68,16 @@ def test_equals_one_piece_prefill_where_nothing_is_quantized(params, name, kw, c
     np.testing.assert_array_equal(np.asarray(cg.lengths), np.asarray(LENGTHS))
     for a, b in zip(jax.tree.leaves(cg), jax.tree.leaves(cw), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "fp16"])
+def test_a_chunk_as_long_as_the_prompt_is_the_one_piece_prefill_bit_for_bit(params, name):
+    kw = dict(residual_length=32, group_size=32) if name == "kivi2" else {}
+    want = llama.prefill(params, CFG, TOKENS, LENGTHS, _cache(name, 3, 320, **kw))
+    for chunk in (300, 512):
+        got = _chunked(params, TOKENS, LENGTHS, _cache(name, 3, 320, **kw), chunk)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("name", ["kivi2", "fp16"])
