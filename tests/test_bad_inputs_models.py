@@ -463,6 +463,8 @@ CLI_FLAG_CASES = [
     (["eval", "ppl", "--prefill", "0"], ["--prefill", "got 0"]),
     (["eval", "ppl", "--windows", "-1"], ["--windows", "got -1"]),
     (["eval", "ppl", "--batch-size", "0"], ["--batch-size", "got 0"]),
+    (["eval", "ppl", "--token-ids", "/nonexistent/ids.json"], ["--token-ids", "no such file"]),
+    (["eval", "ppl", "--token-ids", "x.json", "--text-file", "t.txt"], ["--token-ids", "pick one"]),
     (["eval", "passkey", "--max-new-tokens", "0"], ["--max-new-tokens", "got 0"]),
     (["eval", "passkey", "--dtype", "float16"], ["--dtype", "'float16'"]),
     (["eval", "passkey", "--trials", "0"], ["--trials", "got 0"]),
@@ -499,6 +501,27 @@ CLI_FLAG_CASES = [
     (["nosuch"], ["No such command 'nosuch'", " --help'"]),
     (["eval", "nosuch"], ["No such command 'nosuch'", "eval --help"]),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "content,needles",
+    [
+        ("[1, 2,", ["not JSON", "line 1"]),
+        ('{"ids": [1]}', ["non-empty JSON list", "dict"]),
+        ("[]", ["non-empty JSON list", "an empty list"]),
+        ("[5, -1, 3]", ["entry 1 is -1", "non-negative integer"]),
+        ("[5, 2.5]", ["entry 1 is 2.5"]),
+        ("[5, true]", ["entry 1 is True"]),
+    ],
+)
+def test_damaged_token_ids_files_fail_before_loading_a_model(
+    content, needles, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("KIVI_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    f = tmp_path / "ids.json"
+    f.write_text(content)
+    assert_cli_error(cli(["eval", "ppl", "--token-ids", str(f)]), "--token-ids", *needles)
 
 
 @pytest.mark.parametrize("args,needles", CLI_FLAG_CASES, ids=lambda v: " ".join(v)[:60])

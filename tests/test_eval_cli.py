@@ -231,3 +231,28 @@ def test_plan_is_unique_and_prioritized():
     assert ids.index("passkey:short") < ids.index("stream:kivi2/G32/R0")
     # R must be a multiple of G: no G=64, R=32 task.
     assert "stream:kivi2/G64/R32" not in ids and "stream:kivi4/G128/R128" in ids
+
+
+def test_token_ids_score_exactly_those_tokens(tmp_path, monkeypatch):
+    # The first 32 tokens of the pydoc corpus as a JSON list give the corpus's perplexity; a
+    # different list gives another; an id past the vocabulary is an error after the load.
+    from models.eval import ppl
+    from models.loader import load_model
+
+    monkeypatch.setenv("KIVI_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    _, _, tok = load_model("smollm2", progress=False, cache_dir=tmp_path / "cache")
+    ids = tok.encode(ppl.load_corpus(), add_bos=False)[:32]
+    base = ["eval", "ppl", "--cache", "fp16", "--prefill", "8", "--decode", "8", "--windows", "2"]
+    run = lambda *extra: runner.invoke(app, [*base, *extra, "--json"])
+    f = tmp_path / "ids.json"
+    f.write_text(json.dumps(ids))
+    want, got = run(), run("--token-ids", str(f))
+    assert want.exit_code == 0 and got.exit_code == 0, (want.output, got.output)
+    got = json.loads(got.stdout)
+    assert got["ppl"] == json.loads(want.stdout)["ppl"]
+    assert got["corpus"] == f"token-ids:{f}"
+    f.write_text(json.dumps(ids[::-1]))
+    assert json.loads(run("--token-ids", str(f)).stdout)["ppl"] != got["ppl"]
+    f.write_text(json.dumps([*ids, 10**6]))
+    res = run("--token-ids", str(f))
+    assert res.exit_code == 2 and "token id 1000000 outside the model's vocabulary" in res.output

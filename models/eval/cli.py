@@ -45,6 +45,10 @@ def ppl_cmd(
     windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
     protocol: Annotated[str, typer.Option(help="streaming | simulated")] = "streaming",
     text_file: Annotated[str | None, typer.Option(help="Score this text, not pydoc")] = None,
+    token_ids: Annotated[
+        str | None,
+        typer.Option(help="Score these token ids (a JSON list in a file), not tokenized text"),
+    ] = None,
     batch_size: Annotated[
         int | None, typer.Option(help="Windows per batch (default: all at once)")
     ] = None,
@@ -89,7 +93,10 @@ def ppl_cmd(
             raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
         if prefill_chunk is not None and protocol != "streaming":
             raise ValueError("--prefill-chunk prefills the streaming protocol's cache")
-        text = ppl.load_corpus(text_file)
+        if token_ids is not None and text_file is not None:
+            raise ValueError("--token-ids and --text-file both name what to score: pick one")
+        ids = ppl.load_token_ids(token_ids) if token_ids is not None else None
+        text = ppl.load_corpus(text_file) if ids is None else None
         checks.check_model_source(model)
         mesh_axes = checks.parse_mesh(mesh)
         if mesh_axes and (protocol != "streaming" or spec.config() is None):
@@ -105,11 +112,15 @@ def ppl_cmd(
         config, params, tokenizer = load_model(
             model, dtype, progress=not as_json, allow_unused=allow_unused_weights
         )
-        if tokenizer is None:
+        if tokenizer is None and ids is None:
             raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
         params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         ppl.check_context(prefill, decode, config.max_position_embeddings)
-        tokens = tokenizer.encode(text, add_bos=False)
+        if ids is not None:
+            tokens = ids
+            ppl.check_vocab(tokens, config.vocab_size, f"--token-ids {token_ids}")
+        else:
+            tokens = tokenizer.encode(text, add_bos=False)
         if not tokens:
             raise ValueError("the text tokenizes to no tokens")
         out = ppl.evaluate_ppl(
@@ -127,7 +138,8 @@ def ppl_cmd(
             mesh=checks.make_mesh(mesh_axes) if mesh_axes else None,
             prefill_chunk=prefill_chunk,
         )
-    out = {"model": config.name, "corpus": text_file or "pydoc", "dtype": dtype, **out}
+    corpus = f"token-ids:{token_ids}" if token_ids else text_file or "pydoc"
+    out = {"model": config.name, "corpus": corpus, "dtype": dtype, **out}
     if as_json:
         typer.echo(json.dumps(out))
     else:

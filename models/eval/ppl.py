@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,40 @@ def load_corpus(text_file: str | None = None) -> str:
     if not text.strip():
         raise ValueError(f"{where} is empty: nothing to score")
     return text
+
+
+def load_token_ids(path: str) -> list[int]:
+    """The token ids to score from a JSON file holding one list of non-negative integers (the
+    exact tokens another tool scored). Raises ValueError naming the file for an absent or
+    unreadable file, text that is not JSON, anything but a non-empty list, and the first entry
+    that is not a non-negative integer; ids past the vocabulary are checked with the model
+    (`check_vocab`)."""
+    where = f"--token-ids {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: cannot read it ({e})") from None
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+    if not isinstance(ids, list) or not ids:
+        got = "an empty list" if ids == [] else f"a JSON {type(ids).__name__}"
+        raise ValueError(f"{where}: expected a non-empty JSON list of token ids, got {got}")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"{where}: entry {i} is {t!r}, not a non-negative integer")
+    return ids
+
+
+def check_vocab(tokens: Sequence[int], vocab_size: int, where: str) -> None:
+    """Raise ValueError if a token id lies outside [0, vocab_size)."""
+    top = max(tokens)
+    if top >= vocab_size:
+        raise ValueError(f"{where}: token id {top} outside the model's vocabulary of {vocab_size}")
 
 
 def make_windows(tokens: Sequence[int], prefill: int, decode: int, windows: int) -> np.ndarray:

@@ -538,7 +538,8 @@ def write_report(
         "```",
         "",
         "PATH is a .gguf file or a Hugging Face checkpoint directory of a Llama-family model; "
-        "`--text-file` scores any text instead of the pydoc corpus.",
+        "`--text-file` scores any text instead of the pydoc corpus; `--token-ids FILE` (a JSON "
+        "list) scores exactly those tokens, to compare with another tool on the same ones.",
         "",
     ]
     md = docs / "accuracy.md"
