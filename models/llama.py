@@ -411,22 +411,45 @@ def prefill_chunked(
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
-    B, S = tokens.shape
-    if lengths.shape != (B,):
-        raise ValueError(f"lengths must be [B]={B}, got shape {lengths.shape}")
-    if chunk >= S:  # one chunk is the whole prompt: the one-piece prefill, bit for bit
+    if chunk >= tokens.shape[1]:  # one chunk is the whole prompt: the one-piece prefill
         return prefill(params, config, tokens, lengths, cache)
+    return append_chunked(
+        params, config, tokens, lengths, cache, chunk=chunk, implementation=implementation
+    )
+
+
+def append_chunked(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    counts: Array,
+    cache,
+    *,
+    chunk: int,
+    implementation: str = "auto",
+):
+    """Feed tokens [B, S] (right-padded, counts [B] of them per row, 0 <= counts <= S) after
+    what each row of `cache` holds, `chunk` at a time, as `prefill_chunked` does (a chunk of 1
+    is decode, teacher-forced). Returns (logits float32 [B, V] at each row's last new token,
+    zeros for rows given none, cache)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+    B, S = tokens.shape
+    if counts.shape != (B,):
+        raise ValueError(f"counts must be [B]={B}, got shape {counts.shape}")
     n_chunks = -(-S // chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - S)))
-    lengths = lengths.astype(jnp.int32)
+    counts = counts.astype(jnp.int32)
 
     def body(j, carry):
         logits, cache = carry
         start = j * chunk
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
-        counts = jnp.clip(lengths - start, 0, chunk)
-        x, cache = _chunk_hidden(params, config, toks, counts, cache, implementation)
-        last = lengths - 1 - start  # the row's last prompt token, if in this chunk
+        here_counts = jnp.clip(counts - start, 0, chunk)
+        x, cache = _chunk_hidden(params, config, toks, here_counts, cache, implementation)
+        last = counts - 1 - start  # the row's last new token, if in this chunk
         xl = jnp.take_along_axis(x, jnp.clip(last, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         here = (last >= 0) & (last < chunk)
         return jnp.where(here[:, None], _logits(params, xl, config), logits), cache

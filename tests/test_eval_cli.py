@@ -81,6 +81,8 @@ def test_memory_command_table_flags_and_errors():
         (["ppl", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
         (["ppl", "--protocol", "simulated", "--prefill-chunk", "64"], "--prefill-chunk prefills"),
         (["passkey", "--prefill-chunk", "-512"], "--prefill-chunk must be >= 1, got -512"),
+        (["passkey", "--mode", "both"], "--mode must be one of"),
+        (["passkey", "--mode", "streamed", "--prefill-chunk", "8"], "drop --prefill-chunk"),
     ],
 )
 def test_eval_bad_flags_fail_before_loading_a_model(args, msg):

@@ -345,3 +345,55 @@ def test_streaming_over_a_seq_mesh_equals_one_device(shape, names):
         tiny_params(), TINY, tiny_windows(), spec, mesh=mesh, prefill_chunk=8, **kw
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_passkey_draws_fresh_keys_in_every_cell_and_splits_prompts_before_the_needle():
+    tok = ModTokenizer(1000)
+    res = passkey.evaluate_passkey(
+        tiny_params(),
+        TINY,
+        ModTokenizer(TINY.vocab_size),
+        [ppl.CacheSpec("fp16")],
+        lengths=(90, 120),
+        depths=(0.0, 1.0),
+        trials=2,
+        max_new_tokens=3,
+    )
+    keys = [a["key"] for a in res[0]["answers"]]
+    assert len(set(keys)) == len(keys) == 8  # 5-digit keys: a repeat would be drawn, not reused
+    for depth in (0.0, 0.5, 1.0):
+        p = passkey.build_prompt(tok, 200, depth, "12345", max_new_tokens=3)
+        words = passkey.PREAMBLE.split() + passkey.FILLER.split() * p.repeats_before
+        assert p.needle_at == len(words) - 1  # the exactly prefilled part ends before the needle
+        assert p.tokens[len(words)] == tok.encode("The")[0]  # the needle's first word
+
+
+def test_streamed_passkey_feeds_the_needle_through_the_cache():
+    """Prefill of the head, then the rest token by token: over an exact past (fp16) the same
+    greedy answers as the one-piece prefill; over a quantized past (KIVI-2, R = 0) the first
+    logits differ from it; named errors."""
+    from models.llama import append_chunked
+
+    params, tok = tiny_params(), ModTokenizer(TINY.vocab_size)
+    kw = dict(lengths=(100,), depths=(0.25, 0.75), trials=2, max_new_tokens=3)
+    specs = [ppl.CacheSpec("fp16")]
+    one = passkey.evaluate_passkey(params, TINY, tok, specs, **kw)
+    streamed = passkey.evaluate_passkey(params, TINY, tok, specs, mode="streamed", **kw)
+    assert streamed[0]["mode"] == "streamed" and one[0]["mode"] == "prefill"
+    assert [a["answer"] for a in streamed[0]["answers"]] == [a["answer"] for a in one[0]["answers"]]
+    p = passkey.build_prompt(tok, 100, 0.5, "12345", max_new_tokens=3)
+    t = jnp.asarray([p.tokens])
+    n, h = jnp.asarray([len(p.tokens)]), jnp.asarray([p.needle_at])
+    rest = t[:, p.needle_at :]
+    for spec, same in ((ppl.CacheSpec("fp16"), True), (ppl.CacheSpec("kivi2", 32, 0), False)):
+        cache = spec.make(TINY, batch=1, max_len=128, dtype=jnp.float32)
+        want, _ = prefill(params, TINY, t, n, cache)
+        _, c = prefill(params, TINY, t, h, cache)
+        got, c = append_chunked(params, TINY, rest, n - h, c, chunk=1, implementation="reference")
+        assert int(c.lengths[0]) == len(p.tokens)
+        close = np.allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+        assert close == same, float(jnp.abs(got - want).max())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        passkey.evaluate_passkey(params, TINY, tok, specs, mode="both", **kw)
+    with pytest.raises(ValueError, match="no prefill chunk"):
+        passkey.evaluate_passkey(params, TINY, tok, specs, mode="streamed", prefill_chunk=8, **kw)

@@ -202,6 +202,13 @@ def passkey_cmd(
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     prefill_chunk: Annotated[int | None, PrefillChunkOpt] = None,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="prefill (the whole prompt at once, exact) or streamed (the needle and what "
+            "follows fed token by token through the cache)"
+        ),
+    ] = "prefill",
 ) -> None:
     """Passkey retrieval accuracy per (length, depth), greedy, for each cache on the same keys."""
     from models import cli_checks as checks
@@ -227,6 +234,12 @@ def passkey_cmd(
         bad = [d for d in deps if not 0 <= d <= 1]
         if bad:
             raise ValueError(f"--depths must be in [0, 1], got {bad[0]:g}")
+        if mode not in passkey.MODES:
+            raise ValueError(f"--mode must be one of {passkey.MODES}, got {mode!r}")
+        if mode == "streamed" and prefill_chunk is not None:
+            raise ValueError(
+                "--mode streamed feeds the prompt token by token: drop --prefill-chunk"
+            )
         checks.check_model_source(model)
     from models.generate import decode_layout
     from models.loader import enable_compile_cache, load_model
@@ -255,6 +268,7 @@ def passkey_cmd(
             on_cell=None if as_json else (lambda n, d: typer.echo(f"  done {n} tokens, {d}")),
             batch_size=batch_size,
             prefill_chunk=prefill_chunk,
+            mode=mode,
         )
     if as_json:
         typer.echo(json.dumps({"model": config.name, "results": results}))

@@ -11,7 +11,16 @@ The filler is the classic sentence group repeated; the needle sits between two r
 `depth` (0.0 = right after the preamble, 1.0 = right before the question). The prompt of a
 trial of length L has at most L - max_new_tokens tokens, so prompt plus answer fit in L.
 The answer is the first run of digits in the greedy continuation; a trial passes when it equals
-the key.
+the key. Every trial of every (length, depth) cell draws its own key (from `seed`); every cache
+sees the same keys.
+
+Modes (`evaluate_passkey(mode=...)`):
+  "prefill"   the whole prompt prefilled at once (exact attention); the cache is filled after,
+              so the needle and the question are read at full precision.
+  "streamed"  the part before the needle prefilled exactly, then the needle and everything
+              after it fed token by token through the cache (teacher-forced decode): when the
+              question is asked the needle sits in the quantized region, as it would in a
+              long conversation. The harder, fairer test of a quantized cache.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ FILLER = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 
+MODES = ("prefill", "streamed")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -62,6 +72,7 @@ class PasskeyPrompt:
     depth: float
     repeats_before: int
     repeats_after: int
+    needle_at: int  # tokens before the needle's: the prompt's exactly prefilled part when streamed
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -117,7 +128,13 @@ def build_prompt(
     while size(n + 1) <= budget:
         n += 1
     text, before, after = text_for(n)
-    return PasskeyPrompt(_encode(tokenizer, text), key, depth, before, after)
+    tokens = _encode(tokenizer, text)
+    # The text before the needle, tokenized alone, agrees with the prompt's tokens up to its
+    # last word (a trailing space merges with the needle's first word in the prompt).
+    head = _encode(tokenizer, text[: text.index(needle(key))])
+    pairs = zip(head, tokens[: len(head)], strict=True)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(head))
+    return PasskeyPrompt(tokens, key, depth, before, after, max(1, min(same, len(head) - 1)))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +210,63 @@ def _continue_fn(model_config, max_new_tokens: int, implementation: str):
     return jax.jit(run)
 
 
+def greedy_generate_streamed(
+    params,
+    model_config,
+    prompts: Sequence[PasskeyPrompt],
+    spec,
+    *,
+    max_new_tokens: int = 10,
+    implementation: str = "reference",
+) -> np.ndarray:
+    """Greedy continuations int32 [B, max_new_tokens] through `spec` in the "streamed" mode
+    (module doc): each prompt's first `needle_at` tokens prefilled exactly, the rest fed one
+    token at a time through the cache (`models.llama.append_chunked` with chunks of 1)."""
+    from models.eval.ppl import _model_dtype
+
+    tokens, lengths = pad_prompts([p.tokens for p in prompts])
+    first_len = np.asarray([p.needle_at for p in prompts], np.int32)
+    rest_len = lengths - first_len
+    rest = np.zeros((len(prompts), int(rest_len.max())), np.int32)
+    for i, p in enumerate(prompts):
+        rest[i, : rest_len[i]] = p.tokens[p.needle_at :]
+    cache = spec.make(
+        model_config,
+        batch=len(prompts),
+        max_len=tokens.shape[1] + max_new_tokens,
+        dtype=_model_dtype(params),
+    )
+    fn = _streamed_fn(model_config, implementation)
+    first, cache = fn(
+        params,
+        jnp.asarray(tokens[:, : int(first_len.max())]),
+        jnp.asarray(first_len),
+        jnp.asarray(rest),
+        jnp.asarray(rest_len),
+        cache,
+    )
+    return np.asarray(
+        _continue_fn(model_config, max_new_tokens, implementation)(params, first, cache)
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _streamed_fn(model_config, implementation: str):
+    from models.generate import chunk_implementation
+    from models.llama import append_chunked, prefill
+
+    impl = chunk_implementation(implementation)
+
+    def run(params, head, head_len, rest, rest_len, cache):
+        _, cache = prefill(params, model_config, head, head_len, cache)
+        logits, cache = append_chunked(
+            params, model_config, rest, rest_len, cache, chunk=1, implementation=impl
+        )
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    return jax.jit(run)
+
+
 def greedy_generate_shared(
     params,
     model_config,
@@ -260,6 +334,7 @@ def evaluate_passkey(
     on_cell=None,
     batch_size: int | None = None,
     prefill_chunk: int | None = None,
+    mode: str = "prefill",
 ) -> list[dict]:
     """Passkey accuracy per (length, depth) cell over `trials` keys for each cache in `specs`.
 
@@ -268,13 +343,19 @@ def evaluate_passkey(
     JSON-able dict per cache: the grid, the overall accuracy, every answer, and timing.
     on_cell(length, depth) is called after each cell (progress). batch_size bounds the prompts
     prefilled at once (the prefill's attention scores grow as B S^2). Raises ValueError for a length
-    beyond the model's context, trials < 1 or a cache that cannot take the model's head_dim.
+    beyond the model's context, trials < 1, a cache that cannot take the model's head_dim, an
+    unknown mode, or a prefill chunk in the "streamed" mode (module doc: its prompt is fed
+    token by token after an exact prefill).
     """
     from models.eval.ppl import check_prefill_chunk
 
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     check_prefill_chunk(prefill_chunk)
+    if mode == "streamed" and prefill_chunk is not None:
+        raise ValueError("the streamed mode feeds the prompt token by token: no prefill chunk")
     for n in lengths:
         if max_positions is not None and n > max_positions:
             raise ValueError(
@@ -285,10 +366,10 @@ def evaluate_passkey(
         if cfg is not None:
             cfg.check_head_dim(model_config.head_dim)
     rng = np.random.default_rng(seed)
-    keys = [random_key(rng) for _ in range(trials)]
     results = {spec: {"cells": [], "answers": [], "seconds": 0.0} for spec in specs}
     for n in lengths:
         for d in depths:
+            keys = [random_key(rng) for _ in range(trials)]  # fresh keys in every cell
             prompts = [
                 build_prompt(
                     tokenizer, n, d, k, max_new_tokens=max_new_tokens, chat_template=chat_template
@@ -297,18 +378,29 @@ def evaluate_passkey(
             ]
             t0 = time.perf_counter()
             step = batch_size or len(prompts)
-            chunks = [
-                greedy_generate_shared(
+            if mode == "streamed":
+                run = lambda batch: {
+                    spec: greedy_generate_streamed(
+                        params,
+                        model_config,
+                        batch,
+                        spec,
+                        max_new_tokens=max_new_tokens,
+                        implementation=implementation,
+                    )
+                    for spec in specs
+                }
+            else:
+                run = lambda batch: greedy_generate_shared(
                     params,
                     model_config,
-                    [p.tokens for p in prompts[i : i + step]],
+                    [p.tokens for p in batch],
                     specs,
                     max_new_tokens=max_new_tokens,
                     implementation=implementation,
                     prefill_chunk=prefill_chunk,
                 )
-                for i in range(0, len(prompts), step)
-            ]
+            chunks = [run(prompts[i : i + step]) for i in range(0, len(prompts), step)]
             outs = {spec: np.concatenate([c[spec] for c in chunks], axis=0) for spec in specs}
             dt = time.perf_counter() - t0
             for spec, out in outs.items():
@@ -342,6 +434,7 @@ def evaluate_passkey(
             "chat_template": chat_template,
             "max_new_tokens": max_new_tokens,
             "prefill_chunk": prefill_chunk,
+            "mode": mode,
             **spec.describe(),
             "cells": res["cells"],
             "answers": res["answers"],

@@ -534,6 +534,7 @@ def write_report(
         "kivi-jax eval ppl --model PATH --cache kivi2 --group-size 32 --residual 128 --json",
         "kivi-jax eval ppl --model PATH --cache kivi2 --protocol simulated --json",
         "kivi-jax eval passkey --model PATH --cache fp16 --cache kivi2 --cache kivi4",
+        "kivi-jax eval passkey --model PATH --cache kivi2 --mode streamed  # needle quantized",
         "kivi-jax eval report --model PATH --prefill 1536 --decode 512 --windows 16  # this page",
         "```",
         "",
