@@ -110,6 +110,17 @@ def merge_partials(parts) -> tuple[Array, Array]:
     return _merge(jnp.stack([o for o, _ in parts]), jnp.stack([lse for _, lse in parts]))
 
 
+def merge_across(o: Array, lse: Array, axis: str) -> Array:
+    """The log-sum-exp merge of every device's (o, lse) along mesh `axis`: one max and two
+    sums. Empty everywhere: o = 0. A NaN part stays NaN."""
+    top = jax.lax.pmax(lse, axis)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)
+    num = jax.lax.psum(w[..., None] * o, axis)
+    den = jax.lax.psum(w, axis)
+    return jnp.where((den == 0)[..., None], 0.0, num / jnp.where(den == 0, 1.0, den)[..., None])
+
+
 def _dense_attend(qg, cache: DenseCache, layer, dtype=None) -> tuple[Array, Array]:
     """Dense attention over `layer`, K/V in `dtype` (default: the cache's, read directly).
 
@@ -506,25 +517,51 @@ def _cudnn_with_lse(q, k, v, scale, **kw) -> tuple[Array, Array]:
     return o.astype(jnp.float32), lse.astype(jnp.float32)
 
 
-def _chunk_cudnn(q, k, v, counts, cache, layer, scale) -> tuple[Array, Array]:
-    """Both parts of `chunk_attention` on cuDNN's flash attention, folded (o [B, Hkv, C r, D],
-    lse [B, Hkv, C r]): the past dequantized to q's dtype in one fused pass
-    (`KiviCache.layer_kv`; a dense cache's layer read in place), then attended without a
-    mask but the rows' lengths; the chunk causally over its first counts[b] keys."""
+def dense_with_lse_reference(
+    q, k, v, scale, *, key_value_seq_lengths, query_seq_lengths=None, is_causal=False
+) -> tuple[Array, Array]:
+    """The float32 twin of `_cudnn_with_lse` (the same arguments and results): softmax
+    attention of q [B, C, Hq, D] over the first key_value_seq_lengths[b] keys of k, v
+    [B, T, Hkv, D], causal from the first key if asked; rows without keys give o = 0,
+    lse = -inf."""
+    del query_seq_lengths  # query rows past it are unspecified either way
+    b, c, hq, d = q.shape
+    h = k.shape[2]
+    qg = _fold_chunk(q, h).astype(jnp.float32) * scale  # [B, Hkv, C r, D]
+    kt, vt = (x.swapaxes(1, 2).astype(jnp.float32) for x in (k, v))
+    t = jnp.arange(k.shape[1])
+    mask = (t[None, :] < key_value_seq_lengths[:, None])[:, None, None, :]
+    if is_causal:
+        query = jnp.arange(c * (hq // h)) // (hq // h)
+        mask = mask & (t[None, :] <= query[:, None])[None, None]
+    o, lse = _softmax_attend(qg, kt, vt, mask)
+    return _unfold_chunk(o, c), _unfold_chunk(lse[..., None], c)[..., 0]
+
+
+def _chunk_dense_past(q, k, v, counts, cache, layer, scale, attend) -> tuple[Array, Array]:
+    """Both parts of `chunk_attention` through `attend` (`_cudnn_with_lse`, or its twin),
+    folded (o [B, Hkv, C r, D], lse [B, Hkv, C r]): the past dequantized to q's dtype in one
+    fused pass (`KiviCache.layer_kv`; a dense cache's layer read in place), attended without a
+    mask but the rows' lengths (on a token shard its own positions); the chunk causally over
+    its first counts[b] keys (counted once: on the first shard)."""
     h = cache.kv_heads
     if isinstance(cache, KiviCache):
         kp, vp = cache.layer_kv(layer, q.dtype)
+        n = cache.local_lengths()
     else:
         kp, vp = (x.astype(q.dtype) for x in cache.layer_kv(layer))
-    n = jnp.minimum(cache.lengths, cache.max_len)
+        n = jnp.minimum(cache.lengths, cache.max_len)
     fold = lambda o, lse, held: (
         jnp.where(held[:, None, None, None], _fold_chunk(o, h), 0.0),
         jnp.where(held[:, None, None], _fold_chunk(lse[..., None], h)[..., 0], -jnp.inf),
     )
-    past = fold(*_cudnn_with_lse(q, kp, vp, scale, key_value_seq_lengths=n), n > 0)
+    past = fold(*attend(q, kp, vp, scale, key_value_seq_lengths=n), n > 0)
     lens = dict(query_seq_lengths=counts, key_value_seq_lengths=counts)
-    own = _cudnn_with_lse(q, k.astype(q.dtype), v.astype(q.dtype), scale, is_causal=True, **lens)
-    return past, fold(*own, counts > 0)
+    own = attend(q, k.astype(q.dtype), v.astype(q.dtype), scale, is_causal=True, **lens)
+    held = counts > 0
+    if isinstance(cache, KiviCache) and cache.seq_axis is not None:
+        held = held & (jax.lax.axis_index(cache.seq_axis) == 0)
+    return past, fold(*own, held)
 
 
 def _past(qg, qf, cache, layer, impl: str, scale, interpret) -> tuple[Array, Array]:
@@ -578,11 +615,11 @@ def chunk_attention(
                    query rows, KERNEL_QUERY_ROWS per kv head per launch (each launch reads the
                    whole past: right, and memory-bound).
       "reference"  float32, the past PAST_BLOCK positions at a time.
-      "auto"       "cudnn" where it applies, else "reference"; on token shards the kernel
-                   where it applies, else the folded form.
+      "auto"       "cudnn" where it applies, else "reference" (on token shards its folded
+                   form).
     Inside `jax.shard_map` over a KIVI cache's token axes (`cache.seq_axis`) each device
-    attends its own positions and the parts are merged across the axis ("cudnn" declines
-    there).
+    attends its own positions (the windows where their positions fall, the chunk itself on
+    the first shard) and the parts are merged across the axis.
     """
     if implementation not in CHUNK_IMPLEMENTATIONS:
         raise ValueError(
@@ -605,16 +642,15 @@ def chunk_attention(
     impl = implementation
     if impl == "pallas" and not isinstance(cache, KiviCache):
         raise NotImplementedError("the Pallas kernel reads quantized caches only")
-    if impl == "cudnn" and sharded:
-        raise NotImplementedError("the cuDNN path reads whole caches, not token shards")
-    if impl == "auto" and sharded:
-        impl = "pallas" if _kernel_applies(q[:, 0], cache) else "reference"
-    elif impl == "auto":
+    if impl == "auto":
         impl = "cudnn"
     if impl == "cudnn":
         try:
-            past, own = _chunk_cudnn(q, k, v, counts, cache, layer, scale)
-            return _unfold_chunk(merge_partials([past, own])[0], c).astype(q.dtype)
+            parts = _chunk_dense_past(q, k, v, counts, cache, layer, scale, _cudnn_with_lse)
+            o, lse = merge_partials(list(parts))
+            if sharded:
+                o = merge_across(o, lse, cache.seq_axis)
+            return _unfold_chunk(o, c).astype(q.dtype)
         except NotImplementedError:  # no GPU, or cuDNN declined: "auto" falls back
             if implementation == "cudnn":
                 raise
@@ -635,8 +671,6 @@ def chunk_attention(
             raise
         past = _past(qg, qf, cache, layer, "reference", scale, interpret)
     if sharded:
-        from kivi_jax.parallel import merge_across
-
         axis = cache.seq_axis  # the chunk's own part counts once, on the first shard
         own = (own[0], jnp.where(jax.lax.axis_index(axis) == 0, own[1], -jnp.inf))
         o = merge_across(*merge_partials([past, own]), axis)

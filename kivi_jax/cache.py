@@ -549,10 +549,11 @@ class QuantizedStore:
             deq = jnp.where(full[..., None, None], res, deq)
         return deq.transpose(0, 2, 1, 3)
 
-    def dense_layer(self, layer, lengths: Array, dtype) -> Array:
+    def dense_layer(self, layer, lengths: Array, dtype, origin=0) -> Array:
         """Every position of `layer` as [B, Tq, Hkv, D] in `dtype`: dequantized, and for rows
         holding `lengths` tokens their newest W from the window (what `gather` reads, in one
-        pass over the layer's codes, which XLA fuses). Positions a row does not hold are
+        pass over the layer's codes, which XLA fuses). Slot i holds position origin + i (a
+        shard of the token axis, `KiviCache.seq_axis`). Positions a row does not hold are
         unspecified."""
         codes = self.codes[layer]
         if self.blocked:
@@ -570,7 +571,7 @@ class QuantizedStore:
             ).swapaxes(-1, -2)
         x = c * per_token(self.scale) + per_token(self.minimum)
         if self.window:
-            t = jnp.arange(self.capacity)
+            t = origin + jnp.arange(self.capacity)
             ring = jnp.take(self.layer_window(layer).astype(jnp.float32), t % self.window, axis=2)
             full = t[None, :] >= self.full_precision_from(lengths)[:, None]  # [B, Tq]
             x = jnp.where(full[:, None, :, None], ring, x)
@@ -876,10 +877,21 @@ class KiviCache(_CacheOps):
     def layer_kv(self, layer, dtype=None) -> tuple[Array, Array]:
         """K and V of `layer`, [B, Tq, Hkv, D] each in `dtype` (default the windows'), as
         `DenseCache.layer_kv` gives them: dequantized, the newest positions from the windows
-        (`QuantizedStore.dense_layer`). Chunked prefill reads the past this way."""
+        (`QuantizedStore.dense_layer`); on a token shard (`seq_axis`) the shard's positions.
+        Chunked prefill reads the past this way."""
         n = jnp.minimum(self.lengths, self.max_len)
         dtype = self.dtype if dtype is None else dtype
-        return self.keys.dense_layer(layer, n, dtype), self.values.dense_layer(layer, n, dtype)
+        o = self._origin()
+        return (
+            self.keys.dense_layer(layer, n, dtype, o),
+            self.values.dense_layer(layer, n, dtype, o),
+        )
+
+    def local_lengths(self) -> Array:
+        """[B]: how many of each row's positions this store holds from its first slot (all of
+        them, capped at max_len, unless it is a token shard, `seq_axis`)."""
+        n = jnp.minimum(self.lengths, self.max_len)
+        return jnp.clip(n - self._origin(), 0, self.keys.capacity)
 
     def quantized_split(self) -> Array:
         """[B] int32: positions [0, m) read K and V from the codes (the kernel's region); the

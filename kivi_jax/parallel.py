@@ -35,6 +35,7 @@ from kivi_jax.attention import (
     _group_query,
     _kernel_applies,
     kernel_on_cache,
+    merge_across,
     merge_partials,
     quantized_region_folded,
     tail_attention,
@@ -99,17 +100,6 @@ def on_token_shards(fn, seq_axis: str):
         is_leaf=lambda x: isinstance(x, KiviCache),
     )
     return lambda *args: mark(fn(*mark(args, seq_axis)), None)
-
-
-def merge_across(o: Array, lse: Array, axis: str) -> Array:
-    """The log-sum-exp merge of every device's (o, lse) along mesh `axis`: one max and two
-    sums. Empty everywhere: o = 0. A NaN part stays NaN."""
-    top = lax.pmax(lse, axis)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top)
-    num = lax.psum(w[..., None] * o, axis)
-    den = lax.psum(w, axis)
-    return jnp.where((den == 0)[..., None], 0.0, num / jnp.where(den == 0, 1.0, den)[..., None])
 
 
 def sequence_parallel_attention(

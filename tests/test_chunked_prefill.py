@@ -236,3 +236,48 @@ def test_gpu_paths_match_the_reference(impl, name):
     for row, m in enumerate(np.asarray(counts)):  # bf16 outputs (and cuDNN's bf16 P)
         bound = 2e-2 * np.abs(want[row, :m]).max()
         np.testing.assert_allclose(got[row, :m], want[row, :m], atol=bound, rtol=0)
+
+
+@pytest.mark.parametrize("seq", [1, 4])
+def test_dequantized_past_path_on_token_shards_equals_the_reference(seq, monkeypatch):
+    # The "cudnn" algorithm (the layer's past dequantized in one pass, attended with its
+    # log-sum-exp, the chunk causally) with cuDNN's float32 twin in its place, so that it runs
+    # here: on 1 and on 4 token shards (each its own positions, the windows where they fall,
+    # the chunk once) against the reference on the whole cache.
+    import dataclasses
+
+    from kivi_jax import attention as A
+    from kivi_jax.sharding import LONG_CONTEXT_RULES, cache_specs, shard_cache
+
+    monkeypatch.setattr(A, "_cudnn_with_lse", A.dense_with_lse_reference)
+    b, hkv, r, d, c = 3, 2, 2, 32, 5
+    cache = kj.make_cache(
+        "kivi2", num_layers=2, batch=b, kv_heads=hkv, head_dim=d, max_len=2048,
+        dtype=jnp.float32, residual_length=32, group_size=32,
+    )  # fmt: skip
+    kp, vp = (jax.random.normal(jax.random.key(i), (2, b, hkv, 1500, d)) for i in (3, 4))
+    cache = cache.prefill(kp, vp, jnp.array([1500, 0, 530], jnp.int32))  # 512 per shard at 4
+    q = jax.random.normal(jax.random.key(5), (b, c, hkv * r, d))
+    k, v = (jax.random.normal(jax.random.key(i), (b, c, hkv, d)) for i in (6, 7))
+    counts = jnp.array([5, 3, 1], jnp.int32)
+    want = np.asarray(chunk_attention(q, k, v, counts, cache, 1, implementation="reference"))
+    mesh = jax.make_mesh(
+        (1, 1, seq), ("data", "model", "seq"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:seq],
+    )  # fmt: skip
+    specs = cache_specs(cache, LONG_CONTEXT_RULES)
+
+    def local(q, k, v, n, c):
+        c = dataclasses.replace(c, seq_axis="seq")
+        return chunk_attention(q, k, v, n, c, 1, implementation="cudnn")
+
+    P = jax.P()
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(P, P, P, P, specs), out_specs=P, check_vma=False
+    )
+    got = np.asarray(jax.jit(run)(q, k, v, counts, shard_cache(cache, mesh, LONG_CONTEXT_RULES)))
+    for row, m in enumerate(np.asarray(counts)):
+        np.testing.assert_allclose(got[row, :m], want[row, :m], atol=2e-5, rtol=0)
+    whole = chunk_attention(q, k, v, counts, cache, 1, implementation="cudnn")
+    for row, m in enumerate(np.asarray(counts)):
+        np.testing.assert_allclose(np.asarray(whole)[row, :m], want[row, :m], atol=2e-5, rtol=0)
