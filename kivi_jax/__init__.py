@@ -1,8 +1,10 @@
 """kivi-jax: KIVI 2/4-bit KV-cache quantization for JAX (arXiv 2402.02750)."""
 
+from kivi_jax import formats, rotation
 from kivi_jax.attention import chunk_attention, decode_attention, merge_partials
 from kivi_jax.cache import (
     CACHE_NAMES,
+    DENSE_NAMES,
     CacheBytes,
     DenseCache,
     KiviCache,
@@ -30,6 +32,7 @@ from kivi_jax.quant import (
 
 __all__ = [
     "CACHE_NAMES",
+    "DENSE_NAMES",
     "CacheBytes",
     "DenseCache",
     "KiviCache",
@@ -41,12 +44,14 @@ __all__ = [
     "chunk_attention",
     "decode_attention",
     "dequantize",
+    "formats",
     "make_cache",
     "merge_partials",
     "pack",
     "quantize",
     "quantize_keys",
     "quantize_values",
+    "rotation",
     "sequence_parallel_append",
     "sequence_parallel_attention",
     "sequence_parallel_extend",

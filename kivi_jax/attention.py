@@ -210,6 +210,8 @@ def quantized_region_folded(
     """
     if keys.axis != "channel" or values.axis != "token" or not values.transposed:
         raise NotImplementedError("the folded form needs KIVI axes (channel keys, token values)")
+    if keys.fmt != "int" or values.fmt != "int" or keys.sinks or values.sinks:
+        raise NotImplementedError("the folded form reads integer codes without sinks")
     nb, nh, r, d = qg.shape
     tq, g = keys.capacity, keys.group_size
     kc = unpack_tokens(keys.codes[layer], keys.bits, axis=-2).astype(jnp.float32)
@@ -241,6 +243,15 @@ def quantized_region_folded(
         return o.reshape(nb, nh, r, d)
 
     return _normalize(s, pv)
+
+
+def quantized_region_dense(qg: Array, cache: KiviCache, layer, num_tokens: Array):
+    """Attention over positions [0, num_tokens) of this store's slots (`local_lengths`), K and V
+    dequantized to float32 (`KiviCache.layer_kv`): any format, sinks included, where the
+    folded form does not apply."""
+    k, v = (x.swapaxes(1, 2) for x in cache.layer_kv(layer, jnp.float32))  # [B, Hkv, Tq, D]
+    held = jnp.arange(k.shape[2])[None, :] < num_tokens[:, None]
+    return _softmax_attend(qg, k, v, held)
 
 
 def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
@@ -312,9 +323,10 @@ def _kivi_pallas(
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
-    if not cache.config.is_kivi:
+    if not cache.config.plain_kivi:
         raise NotImplementedError(
-            f"the Pallas kernel needs KIVI axes (channel keys, token values), got {cache.config}"
+            "the Pallas kernel needs KIVI axes (channel keys, token values), integer codes and "
+            f"no sinks, got {cache.config}"
         )
     if not interpret and not pallas_available():
         raise NotImplementedError(
@@ -368,7 +380,7 @@ def _kernel_applies(q: Array, cache: KiviCache) -> bool:
     fp16 scales (what the kernel reads); finer limits raise NotImplementedError there."""
     return (
         pallas_available()
-        and cache.config.is_kivi
+        and cache.config.plain_kivi
         and cache.config.scale_dtype == "float16"
         and q.dtype in (jnp.bfloat16, jnp.float16)
     )
@@ -423,6 +435,8 @@ def decode_attention(
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
     layer, in_range = check_layer(layer, cache.num_layers)
+    if isinstance(cache, KiviCache):  # q in the stored keys' basis (`KiviConfig.rotation`)
+        q = cache.rotate_query(q)
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
@@ -449,6 +463,8 @@ def decode_attention(
             o, _ = _kivi_reference(qg, cache, layer)
     else:
         o, _ = _kivi_reference(qg, cache, layer)
+    if isinstance(cache, KiviCache):
+        o = cache.unrotate_output(o)
     if in_range is not None:  # a traced layer out of range was clamped: never another's answer
         o = jnp.where(in_range, o, jnp.nan)
     return o.reshape(q.shape).astype(q.dtype)
@@ -639,6 +655,11 @@ def chunk_attention(
     scale = _check_scale(scale, d)
     layer, _ = check_layer(layer, cache.num_layers)
     sharded = isinstance(cache, KiviCache) and cache.seq_axis is not None
+    finish = lambda o: _unfold_chunk(o, c).astype(q.dtype)
+    if isinstance(cache, KiviCache) and cache.config.rotation != "none":
+        # all of it in the stored basis (`KiviConfig.rotation`), the output rotated back
+        q, (k, v) = cache.rotate_query(q), cache._rotated(k, v)
+        finish = lambda o: cache.unrotate_output(_unfold_chunk(o, c)).astype(q.dtype)
     impl = implementation
     if impl == "pallas" and not isinstance(cache, KiviCache):
         raise NotImplementedError("the Pallas kernel reads quantized caches only")
@@ -650,7 +671,7 @@ def chunk_attention(
             o, lse = merge_partials(list(parts))
             if sharded:
                 o = merge_across(o, lse, cache.seq_axis)
-            return _unfold_chunk(o, c).astype(q.dtype)
+            return finish(o)
         except NotImplementedError:  # no GPU, or cuDNN declined: "auto" falls back
             if implementation == "cudnn":
                 raise
@@ -676,4 +697,4 @@ def chunk_attention(
         o = merge_across(*merge_partials([past, own]), axis)
     else:
         o, _ = merge_partials([past, own])
-    return _unfold_chunk(o, c).astype(q.dtype)
+    return finish(o)

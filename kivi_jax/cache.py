@@ -34,6 +34,7 @@ import numpy as np
 from jax import Array
 from jax.experimental import checkify
 
+from kivi_jax import formats, rotation
 from kivi_jax.config import KiviConfig, is_int
 from kivi_jax.quant import (
     CACHE_PLANE,
@@ -144,18 +145,29 @@ class QuantizedStore:
     columns, i.e. stores V^T (values), which is what the kernel's P.V product wants; at 2 bits
     in blocks of 64 byte columns (`kivi_jax.quant.block_columns`, `value_codes_blocked`: one
     contiguous block per kernel step).
+    fmt: the element format (`kivi_jax.formats`); the float formats are per token, with one
+    scale per block of `formats.block_size` channels and `minimum` holding their per-group
+    side values (the FP32 group scale of "nvfp4"; none for "fp8" and "mxfp4").
+    The first N positions (sinks) are kept in full precision too, in `sink`; per channel they
+    are left out of their group's range (`_exclude_sinks`).
     """
 
     # [L, B, Hkv, Tq/P, D]; transposed: [L, B, Hkv, D, Tq/P], blocked [L, B, Hkv, Tq/(64 P), D, 64]
     codes: Array  # uint8
-    scale: Array  # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/G, Tq]
-    minimum: Array  # same shape and dtype as scale
+    # channel: [L, B, Hkv, Tq/G, D]; token: [L, B, Hkv, D/blk, Tq] (blk = G for "int")
+    scale: Array
+    # "int": the minimums, shaped as scale; "nvfp4": [L, B, Hkv, D/G, Tq]; None for "fp8" and
+    # "mxfp4" (absent arrays are None, never zero-sized: XLA's CPU compiler crashes on those
+    # inside shard_map)
+    minimum: Array | None
     # [L, B, Hkv, W, D] in the model dtype, token p in slot p % W; transposed: [L, B, Hkv, D, W]
     residual: Array
+    sink: Array | None  # [L, B, Hkv, N, D] in the model dtype: positions [0, N); None if N = 0
     bits: int = dataclasses.field(metadata=static)
     group_size: int = dataclasses.field(metadata=static)
     axis: str = dataclasses.field(metadata=static)
     transposed: bool = dataclasses.field(metadata=static)
+    fmt: str = dataclasses.field(default="int", metadata=static)
 
     @property
     def window(self) -> int:
@@ -169,6 +181,30 @@ class QuantizedStore:
         """The window of `layer` as [B, Hkv, W, D]."""
         x = self.residual[layer]
         return x.swapaxes(-1, -2) if self.transposed else x
+
+    @property
+    def sinks(self) -> int:
+        """N: the leading positions also kept in full precision (`sink`)."""
+        return 0 if self.sink is None else self.sink.shape[-2]
+
+    def _put_sinks(self, layer, b, pos: Array, x: Array, valid: Array) -> Array:
+        """The sink buffer with token x [B, H, D] of `layer` stored where valid and pos < N
+        (pos global: every token shard keeps the sinks)."""
+        slot = jnp.where(valid & (pos >= 0) & (pos < self.sinks), pos, self.sinks)
+        return self.sink.at[layer, b, :, slot].set(x.astype(self.sink.dtype), mode="drop")
+
+    def _exclude_sinks(self, xg: Array, pos: Array) -> Array:
+        """Channel groups xg [..., n/G, G, D] of global positions pos (broadcasting to xg) with
+        the sink positions replaced by their group's last element: their codes are never read
+        (the sink buffer is), and so they do not widen the group's range. A group of sinks
+        only stays a group of sinks."""
+        if not self.sinks:
+            return xg
+        return jnp.where(pos < self.sinks, xg[..., -1:, :], xg)
+
+    def _overlay_sinks(self, x: Array, sinks: Array, t: Array) -> Array:
+        """x where global positions t (broadcasting to x) are >= N, else `sinks` (float32)."""
+        return jnp.where(t < self.sinks, sinks.astype(jnp.float32), x)
 
     @property
     def blocked(self) -> bool:
@@ -216,6 +252,8 @@ class QuantizedStore:
         window,
         dtype,
         scale_dtype,
+        fmt="int",
+        sinks=0,
     ) -> QuantizedStore:
         lbh = (num_layers, batch, kv_heads)
         per = codes_per_byte(bits)
@@ -226,20 +264,24 @@ class QuantizedStore:
         else:
             codes = (*lbh, capacity // per, head_dim)
         if axis == "channel":
-            scale = (*lbh, capacity // group_size, head_dim)
+            scale = aux = (*lbh, capacity // group_size, head_dim)
         else:
-            scale = (*lbh, head_dim // group_size, capacity)
+            scale = (*lbh, head_dim // formats.block_size(fmt, group_size), capacity)
+            aux = (*lbh, head_dim // group_size * formats.aux_count(fmt), capacity)
+        scale_dt = formats.block_scale_dtype(fmt, scale_dtype)
         return QuantizedStore(
             codes=jnp.zeros(codes, jnp.uint8),
-            scale=jnp.zeros(scale, scale_dtype),
-            minimum=jnp.zeros(scale, scale_dtype),
+            scale=jnp.full(scale, formats.empty_scale(scale_dt), scale_dt),
+            minimum=(jnp.zeros(aux, formats.aux_dtype(fmt, scale_dtype)) if aux[-2] else None),
             residual=jnp.zeros(
                 (*lbh, head_dim, window) if transposed else (*lbh, window, head_dim), dtype
             ),
+            sink=jnp.zeros((*lbh, sinks, head_dim), dtype) if sinks else None,
             bits=bits,
             group_size=group_size,
             axis=axis,
             transposed=transposed,
+            fmt=fmt,
         )
 
     def logical_axes(self) -> QuantizedStore:
@@ -261,7 +303,15 @@ class QuantizedStore:
             if self.transposed
             else jax.P(*lbh, "residual", "head_dim")
         )
-        return dataclasses.replace(self, codes=codes, scale=scale, minimum=scale, residual=res)
+        sink = jax.P(*lbh, None, "head_dim")  # replicated over token shards: N is small
+        return dataclasses.replace(
+            self,
+            codes=codes,
+            scale=scale,
+            minimum=None if self.minimum is None else scale,
+            residual=res,
+            sink=None if self.sink is None else sink,
+        )
 
     # -- scatter helpers: rows, groups or slots pushed out of bounds are dropped (mode="drop"),
     # which is how a write is skipped for rows that do not flush, or past capacity.
@@ -286,7 +336,11 @@ class QuantizedStore:
         return dataclasses.replace(
             self,
             scale=at(self.scale).set(scale.astype(self.scale.dtype), mode="drop"),
-            minimum=at(self.minimum).set(mn.astype(self.minimum.dtype), mode="drop"),
+            minimum=(
+                None
+                if self.minimum is None
+                else at(self.minimum).set(mn.astype(self.minimum.dtype), mode="drop")
+            ),
         )
 
     def _local(self, pos: Array, valid: Array, origin) -> tuple[Array, Array]:
@@ -302,12 +356,15 @@ class QuantizedStore:
         nb = x.shape[0]
         w = self.window
         b = jnp.arange(nb)
+        store = self
+        if self.sinks:
+            store = dataclasses.replace(self, sink=self._put_sinks(layer, b, pos, x, valid))
         if w:
             slot = jnp.where(valid, pos % w, w)
             idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))
             res = self.residual.at[idx].set(x.astype(self.residual.dtype), mode="drop")
-            return dataclasses.replace(self, residual=res)
-        return self._put_tokens(layer, b, x, *self._local(pos, valid, origin))
+            return dataclasses.replace(store, residual=res)
+        return store._put_tokens(layer, b, x, *self._local(pos, valid, origin))
 
     def flush(self, pos: Array, valid: Array, origin=0) -> QuantizedStore:
         """Quantize, in every layer, what the write of position pos [B] (`valid` [B]: rows
@@ -352,7 +409,7 @@ class QuantizedStore:
         def quantize(store):
             local = start[:, None] + jnp.arange(w)  # [B, W]
             ok = jnp.broadcast_to(flush[:, None], local.shape)
-            return store._put_blocks(store.window_tokens().swapaxes(2, 3), local, ok)
+            return store._put_blocks(store.window_tokens().swapaxes(2, 3), local, ok, origin)
 
         # Most steps start no block: the quantization runs only when some row does.
         store = jax.lax.cond(jnp.any(flush), quantize, lambda st: st, self)
@@ -363,8 +420,8 @@ class QuantizedStore:
         pos and valid broadcast to x's leading shape (one token, or one per layer)."""
         *lead, nh, d = x.shape
         g = self.group_size
-        codes, scale, mn = minmax_quantize(
-            x.reshape(*lead, nh, d // g, g), self.bits, axis=-1, scale_dtype=self.scale.dtype
+        codes, scale, aux = formats.encode(
+            self.fmt, x.reshape(*lead, nh, d // g, g), self.bits, self.scale.dtype
         )
         row, shift = token_rows(pos, self.bits)
         row = jnp.where(valid, row, self.packed_len)
@@ -372,7 +429,8 @@ class QuantizedStore:
         store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
         # per-token scales sit in the cache order too (the kernel loads a plane's as one row)
         idx = jnp.where(valid, cache_slot(pos), self.scale.shape[-1])
-        return store._set_scales(layer, b, idx, scale[..., 0], mn[..., 0])
+        per_token = lambda a: None if a is None else a.reshape(*lead, nh, -1)
+        return store._set_scales(layer, b, idx, per_token(scale), per_token(aux))
 
     def extend(self, x: Array, n: Array, c: Array, origin=0) -> QuantizedStore:
         """Append x [L, B, Hkv, C, D] (in the window's dtype): row b's first c[b] tokens at
@@ -402,7 +460,14 @@ class QuantizedStore:
         if self.axis == "token":
             store = self._put_tokens(layers, b, span_x, local[None], ok[None])
         else:
-            store = self._put_blocks(span_x, local, ok)
+            store = self._put_blocks(span_x, local, ok, origin)
+        if self.sinks:  # sink j from the chunk where n <= j < n + c
+            j = jnp.arange(self.sinks)[None, :]  # [1, N]
+            inside = ((j >= n[:, None]) & (j < (n + c)[:, None]))[None, ..., None, None]
+            from_chunk = at(xt, jnp.clip(j - n[:, None], 0, nc - 1)).swapaxes(2, 3)
+            store = dataclasses.replace(
+                store, sink=jnp.where(inside.swapaxes(2, 3), from_chunk, store.sink)
+            )
         if not w:
             return store
         # Window slot j: the newest position p < n + c with p % W == j; from the chunk if p >= n.
@@ -417,14 +482,17 @@ class QuantizedStore:
             store, residual=new_ring.swapaxes(-1, -2) if self.transposed else new_ring
         )
 
-    def _put_blocks(self, x: Array, local: Array, ok: Array) -> QuantizedStore:
+    def _put_blocks(self, x: Array, local: Array, ok: Array, origin=0) -> QuantizedStore:
         """Channel axis: quantize x [L, B, N, Hkv, D] (N a multiple of G, its first position a
         multiple of G) per group of G tokens into local positions `local` [B, N] where ok; a
-        group is kept or dropped whole (ok is constant over each block of W)."""
+        group is kept or dropped whole (ok is constant over each block of W). This store's
+        slot 0 holds position `origin` (`_local`)."""
         nl, nb, n, nh, d = x.shape
         g = self.group_size
+        xg = x.transpose(0, 1, 3, 2, 4).reshape(nl, nb, nh, n // g, g, d)
+        pos = (local + origin).reshape(1, nb, 1, n // g, g, 1)
         codes, scale, mn = minmax_quantize(
-            x.transpose(0, 1, 3, 2, 4).reshape(nl, nb, nh, n // g, g, d),
+            self._exclude_sinks(xg, pos),
             self.bits,
             axis=-2,
             scale_dtype=self.scale.dtype,
@@ -457,7 +525,9 @@ class QuantizedStore:
         keep = (t[None, :] < nq[:, None])[None, :, None]  # [1, B, 1, S_pad]
         if self.axis == "channel":
             codes, scale, mn = minmax_quantize(
-                xp.reshape(nl, nb, nh, s_pad // g, g, d),
+                self._exclude_sinks(
+                    xp.reshape(nl, nb, nh, s_pad // g, g, d), t.reshape(s_pad // g, g, 1)
+                ),
                 self.bits,
                 axis=-2,
                 scale_dtype=self.scale.dtype,
@@ -466,16 +536,17 @@ class QuantizedStore:
             scale, mn = (jnp.where(gkeep, a[..., 0, :], 0) for a in (scale, mn))
             codes = codes.reshape(nl, nb, nh, s_pad, d)
         else:
-            codes, scale, mn = minmax_quantize(
-                xp.reshape(nl, nb, nh, s_pad, d // g, g),
-                self.bits,
-                axis=-1,
-                scale_dtype=self.scale.dtype,
+            codes, scale, mn = formats.encode(
+                self.fmt, xp.reshape(nl, nb, nh, s_pad, d // g, g), self.bits, self.scale.dtype
             )
-            scale, mn = (
-                to_cache_order(jnp.where(keep[..., None], a[..., 0], 0).swapaxes(-1, -2), -1)
-                for a in (scale, mn)
+            per_token = lambda a, empty: to_cache_order(
+                jnp.where(keep[..., None], a.reshape(nl, nb, nh, s_pad, -1), empty)
+                .swapaxes(-1, -2)
+                .astype(a.dtype),
+                -1,
             )
+            scale = per_token(scale, formats.empty_scale(scale.dtype))
+            mn = None if mn is None else per_token(mn, 0)
             codes = codes.reshape(nl, nb, nh, s_pad, d)
         codes = jnp.where(keep[..., None], codes, 0).astype(jnp.uint8)
         if self.transposed:
@@ -492,8 +563,11 @@ class QuantizedStore:
             new_scale = jnp.zeros_like(self.scale).at[..., : s_pad // g, :].set(scale)
             new_min = jnp.zeros_like(self.minimum).at[..., : s_pad // g, :].set(mn)
         else:
-            new_scale = jnp.zeros_like(self.scale).at[..., :s_pad].set(scale[..., :tq])
-            new_min = jnp.zeros_like(self.minimum).at[..., :s_pad].set(mn[..., :tq])
+            empty = jnp.full_like(self.scale, formats.empty_scale(self.scale.dtype))
+            new_scale = empty.at[..., :s_pad].set(scale[..., :tq])
+            new_min = None
+            if self.minimum is not None:
+                new_min = jnp.zeros_like(self.minimum).at[..., :s_pad].set(mn[..., :tq])
         # Window slot j holds the newest position p < lengths with p % W == j (module doc of
         # the class: the window is a ring of the newest W tokens, on both axes).
         if w == 0:
@@ -507,8 +581,14 @@ class QuantizedStore:
             res = jnp.where(ok[None, :, None, :, None], res, 0).astype(self.residual.dtype)
             if self.transposed:
                 res = res.swapaxes(-1, -2)
+        sink = self.sink
+        if self.sinks:  # sink j holds position j where the row holds it, else zeros
+            j = jnp.arange(self.sinks)
+            held = (j[None, :] < lengths[:, None])[None, :, None, :, None]
+            sink = jnp.where(held, jnp.take(x, jnp.clip(j, 0, s - 1), axis=3), 0)
+            sink = sink.astype(self.sink.dtype)
         return dataclasses.replace(
-            self, codes=new_codes, scale=new_scale, minimum=new_min, residual=res
+            self, codes=new_codes, scale=new_scale, minimum=new_min, residual=res, sink=sink
         )
 
     def gather(self, layer, t: Array, lengths: Array) -> Array:
@@ -533,12 +613,22 @@ class QuantizedStore:
         g = self.group_size
         if self.axis == "channel":
             sc, mn = (a[layer, b, :, tc // g, :] for a in (self.scale, self.minimum))
+        elif self.fmt != "int":  # [B, N, H, D/blk], [B, N, H, D/G * aux]
+            sc, aux = (
+                None if a is None else a[layer, b, :, :, cache_slot(tc)]
+                for a in (self.scale, self.minimum)
+            )
+            deq = self._decode_tokens(codes, sc, aux)
         else:
             sc, mn = (
                 jnp.repeat(a[layer, b, :, :, cache_slot(tc)], g, axis=-1)
                 for a in (self.scale, self.minimum)
             )
-        deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
+        if self.fmt == "int":
+            deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
+        if self.sinks:
+            sv = self.sink[layer, b, :, jnp.clip(t, 0, self.sinks - 1)]  # [B, N, H, D]
+            deq = self._overlay_sinks(deq, sv, t[..., None, None])
         if self.window:
             if self.transposed:
                 res = self.residual[layer, b, :, :, t % self.window]  # [B, N, H, D]
@@ -548,6 +638,15 @@ class QuantizedStore:
             full = t >= self.full_precision_from(lengths)[:, None]
             deq = jnp.where(full[..., None, None], res, deq)
         return deq.transpose(0, 2, 1, 3)
+
+    def _decode_tokens(self, codes: Array, scale: Array, aux: Array) -> Array:
+        """Float-format tokens: codes [..., D] with their scales [..., D/blk] and side values
+        [..., D/G * aux] -> float32 [..., D]."""
+        *lead, d = codes.shape
+        g = self.group_size
+        per_group = lambda a: None if a is None else a.reshape(*lead, d // g, -1)
+        out = formats.decode(self.fmt, per_group(codes), per_group(scale), per_group(aux), g)
+        return out.reshape(*lead, d)
 
     def dense_layer(self, layer, lengths: Array, dtype, origin=0) -> Array:
         """Every position of `layer` as [B, Tq, Hkv, D] in `dtype`: dequantized, and for rows
@@ -559,19 +658,27 @@ class QuantizedStore:
         if self.blocked:
             codes = unblock_columns(codes)
         c = unpack_tokens(codes, self.bits, axis=-1 if self.transposed else -2)
-        c = c.astype(jnp.float32)
         if self.transposed:
             c = c.swapaxes(-1, -2)  # [B, H, Tq, D]
         g = self.group_size
-        if self.axis == "channel":  # [B, H, Tq/G, D]
-            per_token = lambda a: jnp.repeat(a[layer].astype(jnp.float32), g, axis=-2)
-        else:  # [B, H, D/G, Tq] in the cache order
-            per_token = lambda a: jnp.repeat(
-                to_cache_order(a[layer].astype(jnp.float32), -1), g, axis=-2
-            ).swapaxes(-1, -2)
-        x = c * per_token(self.scale) + per_token(self.minimum)
+        t = origin + jnp.arange(self.capacity)
+        if self.fmt != "int":  # [B, H, D/blk, Tq] in the cache order -> [B, H, Tq, D/blk]
+            token_order = lambda a: (
+                None if a is None else to_cache_order(a[layer], -1).swapaxes(-1, -2)
+            )
+            x = self._decode_tokens(c, token_order(self.scale), token_order(self.minimum))
+        else:
+            if self.axis == "channel":  # [B, H, Tq/G, D]
+                per_token = lambda a: jnp.repeat(a[layer].astype(jnp.float32), g, axis=-2)
+            else:  # [B, H, D/G, Tq] in the cache order
+                per_token = lambda a: jnp.repeat(
+                    to_cache_order(a[layer].astype(jnp.float32), -1), g, axis=-2
+                ).swapaxes(-1, -2)
+            x = c.astype(jnp.float32) * per_token(self.scale) + per_token(self.minimum)
+        if self.sinks:
+            sv = jnp.take(self.sink[layer], jnp.clip(t, 0, self.sinks - 1), axis=2)
+            x = self._overlay_sinks(x, sv, t[:, None])
         if self.window:
-            t = origin + jnp.arange(self.capacity)
             ring = jnp.take(self.layer_window(layer).astype(jnp.float32), t % self.window, axis=2)
             full = t[None, :] >= self.full_precision_from(lengths)[:, None]  # [B, Tq]
             x = jnp.where(full[:, None, :, None], ring, x)
@@ -580,8 +687,8 @@ class QuantizedStore:
     def nbytes(self) -> CacheBytes:
         return CacheBytes(
             codes=self.codes.nbytes,
-            scales=self.scale.nbytes + self.minimum.nbytes,
-            residual=self.residual.nbytes,
+            scales=self.scale.nbytes + (0 if self.minimum is None else self.minimum.nbytes),
+            residual=self.residual.nbytes + (0 if self.sink is None else self.sink.nbytes),
             metadata=0,
         )
 
@@ -786,20 +893,20 @@ class KiviCache(_CacheOps):
             scale_dtype=config.scale_jnp_dtype,
         )
 
-        def window(axis):
-            return max(r, g) if axis == "channel" else r
+        def store(side: str, transposed: bool) -> QuantizedStore:
+            axis = getattr(config, f"{side}_axis")
+            return QuantizedStore.init(
+                getattr(config, f"{side}_bits"),
+                g,
+                axis,
+                transposed,
+                window=max(r, g) if axis == "channel" else r,
+                fmt=getattr(config, f"{side}_format"),
+                sinks=config.sinks,
+                **common,
+            )
 
-        keys = QuantizedStore.init(
-            config.key_bits, g, config.key_axis, False, window=window(config.key_axis), **common
-        )
-        values = QuantizedStore.init(
-            config.value_bits,
-            g,
-            config.value_axis,
-            True,
-            window=window(config.value_axis),
-            **common,
-        )
+        keys, values = store("key", False), store("value", True)
         return KiviCache(keys, values, jnp.zeros((batch,), jnp.int32), config, int(max_len))
 
     num_layers = property(lambda self: self.keys.residual.shape[0])
@@ -816,8 +923,14 @@ class KiviCache(_CacheOps):
         """
         return _kivi_prefill(self, k, v, *self._prefill_lengths(k, v, lengths))
 
+    def _rotated(self, k: Array, v: Array) -> tuple[Array, Array]:
+        """k, v [..., D] as the stores hold them (`KiviConfig.rotation`), in their dtypes."""
+        turn = lambda x, on: rotation.rotate(x).astype(x.dtype) if on else x
+        return turn(k, self.config.rotates_keys), turn(v, self.config.rotates_values)
+
     def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> KiviCache:
         origin = None if self.seq_axis is None else self._origin()
+        k, v = self._rotated(k, v)
         return dataclasses.replace(
             self,
             keys=self.keys.prefill(k, lengths, origin),
@@ -827,6 +940,7 @@ class KiviCache(_CacheOps):
 
     def _extend(self, k: Array, v: Array, counts: Array, recorded: Array) -> KiviCache:
         n, o = self.lengths, self._origin()
+        k, v = self._rotated(k, v)
         cast = lambda x: x.astype(self.dtype)
         return dataclasses.replace(
             self,
@@ -850,6 +964,7 @@ class KiviCache(_CacheOps):
         `advance`, which starts the step for all layers)."""
         layer, pos, valid = self._check_token(layer, k, v)
         o = self._origin()
+        k, v = self._rotated(k, v)
         return dataclasses.replace(
             self,
             keys=self.keys.write(layer, pos, k, valid, o),
@@ -878,7 +993,8 @@ class KiviCache(_CacheOps):
         """K and V of `layer`, [B, Tq, Hkv, D] each in `dtype` (default the windows'), as
         `DenseCache.layer_kv` gives them: dequantized, the newest positions from the windows
         (`QuantizedStore.dense_layer`); on a token shard (`seq_axis`) the shard's positions.
-        Chunked prefill reads the past this way."""
+        Chunked prefill reads the past this way. With a rotation (`KiviConfig.rotation`) they
+        are as stored, rotated: attend with `rotate_query` and `unrotate_output`."""
         n = jnp.minimum(self.lengths, self.max_len)
         dtype = self.dtype if dtype is None else dtype
         o = self._origin()
@@ -886,6 +1002,14 @@ class KiviCache(_CacheOps):
             self.keys.dense_layer(layer, n, dtype, o),
             self.values.dense_layer(layer, n, dtype, o),
         )
+
+    def rotate_query(self, q: Array) -> Array:
+        """q [..., D] in the basis of the stored keys (rotated when the keys are), q.dtype."""
+        return rotation.rotate(q).astype(q.dtype) if self.config.rotates_keys else q
+
+    def unrotate_output(self, o: Array) -> Array:
+        """An attention output [..., D] over the stored values back in the model's basis."""
+        return rotation.unrotate(o).astype(o.dtype) if self.config.rotates_values else o
 
     def local_lengths(self) -> Array:
         """[B]: how many of each row's positions this store holds from its first slot (all of
@@ -1069,18 +1193,58 @@ _NAMED = {
     "pertoken4": dict(key_bits=4, value_bits=4, key_axis="token"),
     "valchannel2": dict(key_bits=2, value_bits=2, value_axis="channel"),
     "valchannel4": dict(key_bits=4, value_bits=4, value_axis="channel"),
+    # Hardware float formats, per token on both sides (`kivi_jax.formats`); G sets the span of
+    # a scale (fp8) or of the FP32 second-level scale (nvfp4); mxfp4's blocks are always 32.
+    "fp8": dict(key_bits=8, value_bits=8, key_format="fp8", value_format="fp8", key_axis="token"),
+    "nvfp4": dict(
+        key_bits=4, value_bits=4, key_format="nvfp4", value_format="nvfp4", key_axis="token"
+    ),
+    "mxfp4": dict(
+        key_bits=4, value_bits=4, key_format="mxfp4", value_format="mxfp4", key_axis="token"
+    ),
+    # The most accurate configurations measured at <= 3.0 and <= 2.5 bits per element
+    # (docs/formats.md, SmolLM2-135M streaming perplexity): KIVI-2 with 8 sinks and keys and
+    # values rotated. Each fixes its group size, which sets its bits.
+    "best3": dict(key_bits=2, value_bits=2, group_size=32, sinks=8, rotation="both"),
+    "best25": dict(key_bits=2, value_bits=2, group_size=64, sinks=8, rotation="both"),
 }
+DEFAULT_GROUP_SIZE = 32
 DENSE_NAMES = ("fp16",)
 CACHE_NAMES = DENSE_NAMES + tuple(_NAMED)
 
 
-def cache_config(name: str, group_size: int = 32, residual_length: int = 128) -> KiviConfig | None:
-    """The KiviConfig of a named cache ("kivi2", ...), or None for the dense "fp16" cache."""
+def cache_config(
+    name: str,
+    group_size: int | None = None,
+    residual_length: int = 128,
+    *,
+    sinks: int = 0,
+    rotation: str = "none",
+) -> KiviConfig | None:
+    """The KiviConfig of a named cache ("kivi2", ...), or None for the dense "fp16" cache.
+
+    group_size: None for the name's own (best3: 32, best25: 64), else DEFAULT_GROUP_SIZE; a name
+    that fixes it takes only the same value. `sinks` and `rotation` (`KiviConfig`) apply to every
+    quantized name (a name that sets its own takes only the same value); the dense cache takes
+    neither. Raises ValueError for an unknown name or a conflicting knob."""
     if name in DENSE_NAMES:
+        if sinks or rotation != "none":
+            raise ValueError(f"the dense {name!r} cache takes no sinks or rotation")
         return None
     if name not in _NAMED:
         raise ValueError(f"unknown cache name {name!r}; choose one of {', '.join(CACHE_NAMES)}")
-    return KiviConfig(group_size=group_size, residual_length=residual_length, **_NAMED[name])
+    fields = dict(_NAMED[name])
+    fields.setdefault("group_size", DEFAULT_GROUP_SIZE)
+    knobs = (("group_size", group_size, None), ("sinks", sinks, 0), ("rotation", rotation, "none"))
+    for key, value, unset in knobs:
+        if value == unset:
+            continue
+        if key in _NAMED[name] and _NAMED[name][key] != value:
+            raise ValueError(
+                f"cache {name!r} is defined with {key}={_NAMED[name][key]!r}; got {value!r}"
+            )
+        fields[key] = value
+    return KiviConfig(residual_length=residual_length, **fields)
 
 
 def make_cache(
@@ -1092,14 +1256,17 @@ def make_cache(
     head_dim: int,
     max_len: int,
     dtype=jnp.bfloat16,
-    group_size: int = 32,
+    group_size: int | None = None,
     residual_length: int = 128,
     per_layer: bool = False,
+    sinks: int = 0,
+    rotation: str = "none",
 ) -> KiviCache | DenseCache:
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
     layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
-    reads in place: `per_layer` does not apply to them)."""
-    config = cache_config(name, group_size, residual_length)
+    reads in place: `per_layer` does not apply to them), with `group_size`, `sinks` and
+    `rotation` as `cache_config` takes them."""
+    config = cache_config(name, group_size, residual_length, sinks=sinks, rotation=rotation)
     dims = dict(
         num_layers=num_layers,
         batch=batch,

@@ -12,7 +12,10 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from kivi_jax import formats
+
 Axis = Literal["channel", "token"]
+ROTATIONS = ("none", "keys", "values", "both")
 
 SUPPORTED_BITS = (2, 4, 8)
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -57,6 +60,10 @@ class KiviConfig:
     scale_dtype: str = "float16"
     key_axis: Axis = "channel"
     value_axis: Axis = "token"
+    key_format: str = "int"
+    value_format: str = "int"
+    sinks: int = 0
+    rotation: str = "none"
 
     def __post_init__(self):
         for name in ("key_bits", "value_bits"):
@@ -66,6 +73,12 @@ class KiviConfig:
         g = self.group_size
         if not is_int(g) or g < 8 or g > 256 or g & (g - 1):
             raise ValueError(f"group_size must be a power of two (int) in [8, 256], got {g!r}")
+        for side in ("key", "value"):
+            self._check_format(side)
+        if not is_int(self.sinks) or self.sinks < 0:
+            raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         r = self.residual_length
         if not is_int(r) or r < 0 or r % g:
             raise ValueError(
@@ -79,14 +92,43 @@ class KiviConfig:
                     f"{name} must be 'channel' or 'token', got {getattr(self, name)!r}"
                 )
 
+    def _check_format(self, side: str) -> None:
+        fmt, bits = getattr(self, f"{side}_format"), getattr(self, f"{side}_bits")
+        if fmt not in formats.FORMATS:
+            raise ValueError(f"{side}_format must be one of {formats.FORMATS}, got {fmt!r}")
+        if fmt == "int":
+            return
+        if bits != formats.code_bits(fmt, bits):
+            raise ValueError(
+                f"{side}_format={fmt!r} stores {formats.code_bits(fmt, bits)}-bit codes: "
+                f"set {side}_bits={formats.code_bits(fmt, bits)}, got {bits}"
+            )
+        if getattr(self, f"{side}_axis") != "token":
+            raise ValueError(f"{side}_format={fmt!r} quantizes per token: set {side}_axis='token'")
+        formats.check_group(fmt, self.group_size)
+
     @property
     def scale_jnp_dtype(self):
         return jnp.dtype(self.scale_dtype)
 
     @property
     def is_kivi(self) -> bool:
-        """True for KIVI's axes (per-channel keys, per-token values), the kernels' layout."""
+        """True for KIVI's axes (per-channel keys, per-token values)."""
         return self.key_axis == "channel" and self.value_axis == "token"
+
+    @property
+    def plain_kivi(self) -> bool:
+        """KIVI's axes, integer codes and no sinks: the layout the Pallas kernel and the folded
+        form read (a rotation is applied around them, to q and the output)."""
+        return self.is_kivi and self.key_format == self.value_format == "int" and not self.sinks
+
+    @property
+    def rotates_keys(self) -> bool:
+        return self.rotation in ("keys", "both")
+
+    @property
+    def rotates_values(self) -> bool:
+        return self.rotation in ("values", "both")
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError unless this config can quantize heads of size `head_dim`."""
@@ -98,8 +140,15 @@ class KiviConfig:
             )
         if head_dim % 8:
             raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
+        if self.rotation != "none" and head_dim & (head_dim - 1):
+            raise ValueError(f"rotation needs a power-of-two head_dim, got {head_dim}")
 
-    def bits_per_element(self, head_dim: int) -> float:
-        """Average stored bits per cached K/V element, scales and minimums included."""
-        s = jnp.dtype(self.scale_dtype).itemsize * 8
-        return (self.key_bits + self.value_bits) / 2 + 2 * s / self.group_size
+    def bits_per_element(self, head_dim: int | None = None) -> float:
+        """Average stored bits per cached K/V element in the quantized region: codes, scales,
+        minimums and every side value per group. The fixed full-precision buffers (the
+        residual windows and the sinks, the same size at any context) are not in it: they are
+        in `KiviCache.nbytes()`. `head_dim` is accepted for the signature's history."""
+        g, s = self.group_size, self.scale_dtype
+        k = formats.group_bits(self.key_format, self.key_bits, g, s)
+        v = formats.group_bits(self.value_format, self.value_bits, g, s)
+        return (k + v) / (2 * g)

@@ -10,7 +10,8 @@ Two views of a quantized cache's size:
 - as allocated: `cache_bytes` follows the layout of docs/layout.md (what `kivi_jax.make_cache`
   allocates for `max_len` tokens): codes and scales for Tq = max_len rounded up to 256 tokens,
   plus the full-precision residual windows (max(R, G) slots for a per-channel store such as
-  KIVI's keys, R for a per-token store such as KIVI's values) and the int32 lengths.
+  KIVI's keys, R for a per-token store such as KIVI's values), the sinks (N slots per store)
+  and the int32 lengths.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import math
 import re
 
+from kivi_jax import formats
 from kivi_jax.config import KiviConfig
 
 QUANT_CAPACITY_MULTIPLE = 256  # Tq = max_len rounded up to this (docs/layout.md)
@@ -112,16 +114,19 @@ def cache_bytes(
     config.check_head_dim(d)
     tq = quantized_capacity(tokens)
     g = config.group_size
-    s = config.scale_jnp_dtype.itemsize
-    codes = lh * (tq * d * config.key_bits // 8 + tq * d * config.value_bits // 8)
-    scales = lh * 2 * s * (tq * d // g) * 2  # (scale, minimum) for K and for V
-    residual = (
-        lh
-        * (residual_slots(config, config.key_axis) + residual_slots(config, config.value_axis))
-        * d
-        * shape.dtype_bytes
+    sides = ((config.key_format, config.key_bits), (config.value_format, config.value_bits))
+    codes = sum(lh * tq * d * formats.code_bits(f, b) // 8 for f, b in sides)
+    # every group of G elements: its codes, block scales and side values (kivi_jax.formats)
+    stored = sum(
+        lh * tq * d // g * formats.group_bits(f, b, g, config.scale_dtype) // 8 for f, b in sides
     )
-    return CacheBytes(codes, scales, residual, lengths)
+    slots = (
+        residual_slots(config, config.key_axis)
+        + residual_slots(config, config.value_axis)
+        + 2 * config.sinks
+    )
+    residual = lh * slots * d * shape.dtype_bytes
+    return CacheBytes(codes, stored - codes, residual, lengths)
 
 
 def residual_slots(config: KiviConfig, axis: str) -> int:

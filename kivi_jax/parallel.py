@@ -37,6 +37,7 @@ from kivi_jax.attention import (
     kernel_on_cache,
     merge_across,
     merge_partials,
+    quantized_region_dense,
     quantized_region_folded,
     tail_attention,
 )
@@ -63,8 +64,10 @@ def local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, inter
     if impl == "pallas":
         o, lse = kernel_on_cache(q, cache, layer, m_local, scale=scale, interpret=interpret)
         main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
-    else:
+    elif cache.config.plain_kivi:
         main = quantized_region_folded(qg, cache.keys, cache.values, layer, m_local)
+    else:
+        main = quantized_region_dense(qg, cache, layer, m_local)
     o_w, lse_w = tail_attention(qg, cache, layer, m)
     lse_w = jnp.where(shard == 0, lse_w, -jnp.inf)  # the windows count once
     return merge_partials([main, (o_w, lse_w)])
@@ -140,8 +143,9 @@ def sequence_parallel_attention(
     q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)
 
     def local(q, cache, layer):
+        q = cache.rotate_query(q)  # the stored keys' basis (`KiviConfig.rotation`)
         qg = _group_query(q, cache.kv_heads, scale)
-        o = shard_attention(qg, q, cache, layer, impl, scale, interpret)
+        o = cache.unrotate_output(shard_attention(qg, q, cache, layer, impl, scale, interpret))
         return o.reshape(q.shape).astype(q.dtype)
 
     q, cache, layer = _place(
@@ -233,15 +237,7 @@ def sequence_parallel_prefill(
     axis's mesh axis) on a cache whose token axes are sharded over it: each device quantizes
     only the positions it holds. Equal to the unsharded prefill bit for bit. Errors as
     `sequence_parallel_attention`'s, and `KiviCache.prefill`'s."""
-    spec = jax.P(None, "batch", "kv_heads", None, None)
-    return _per_shard(
-        lambda c, k, v, n: c.prefill(k, v, n),
-        cache,
-        mesh,
-        rules,
-        (k, v, jnp.asarray(lengths)),
-        (spec, spec, jax.P("batch")),
-    )
+    return _tokens_per_shard("prefill", cache, k, v, lengths, mesh, rules)
 
 
 def sequence_parallel_extend(
@@ -252,12 +248,18 @@ def sequence_parallel_extend(
     device updates its replicated windows and quantizes only the positions it holds. Equal to
     the unsharded extend bit for bit. Errors as `sequence_parallel_attention`'s, and
     `KiviCache.extend`'s."""
+    return _tokens_per_shard("extend", cache, k, v, counts, mesh, rules)
+
+
+def _tokens_per_shard(method: str, cache: KiviCache, k, v, per_row, mesh, rules):
+    """`cache.<method>(k, v, per_row)` for k, v [L, B, Hkv, S, D] replicated over the token
+    axis's mesh axis and per_row [B] (prefill's lengths, extend's counts), per shard."""
     spec = jax.P(None, "batch", "kv_heads", None, None)
     return _per_shard(
-        lambda c, k, v, n: c.extend(k, v, n),
+        lambda c, k, v, n: getattr(c, method)(k, v, n),
         cache,
         mesh,
         rules,
-        (k, v, jnp.asarray(counts)),
+        (k, v, jnp.asarray(per_row)),
         (spec, spec, jax.P("batch")),
     )

@@ -37,6 +37,14 @@ CONFIGS = [
     kj.KiviConfig(8, 8, group_size=16, residual_length=32),
     kj.KiviConfig(2, 2, group_size=32, residual_length=32, key_axis="token"),
     kj.KiviConfig(2, 2, group_size=32, residual_length=64, value_axis="channel"),
+    # element formats, sinks (within a group, and past one with no window) and rotations
+    kj.KiviConfig(2, 2, group_size=32, residual_length=128, sinks=5, rotation="both"),
+    kj.KiviConfig(2, 4, group_size=32, residual_length=0, sinks=40, rotation="keys"),
+    kj.KiviConfig(8, 8, 64, 64, key_format="fp8", value_format="fp8", key_axis="token"),
+    kj.KiviConfig(
+        4, 4, 32, 32, key_format="nvfp4", value_format="nvfp4", key_axis="token", sinks=3
+    ),
+    kj.KiviConfig(4, 2, 32, 0, key_format="mxfp4", key_axis="token", rotation="values"),
 ]
 
 

@@ -121,6 +121,10 @@ def test_bad_shapes_and_configs():
         ("pertoken2", 32, 0),
         ("valchannel2", 64, 64),
         ("pertoken4", 32, 128),
+        ("fp8", 64, 128),
+        ("nvfp4", 32, 32),
+        ("mxfp4", 32, 0),
+        ("kivi2-sinks", 32, 128),
     ],
 )
 def test_cache_bytes_match_make_cache(name, g, r):
@@ -129,9 +133,11 @@ def test_cache_bytes_match_make_cache(name, g, r):
     import kivi_jax
 
     shape = KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype_bytes=2)
+    name, sinks = name.removesuffix("-sinks"), 4 if name.endswith("-sinks") else 0
     for tokens, batch in ((100, 1), (300, 2)):
         cache = kivi_jax.make_cache(
             name,
+            sinks=sinks,
             num_layers=2,
             batch=batch,
             kv_heads=3,
@@ -142,6 +148,7 @@ def test_cache_bytes_match_make_cache(name, g, r):
             residual_length=r,
         )
         want = cache.nbytes()
-        got = cache_bytes(shape, kivi_jax.cache_config(name, g, r), tokens=tokens, batch=batch)
+        cfg = kivi_jax.cache_config(name, g, r, sinks=sinks)
+        got = cache_bytes(shape, cfg, tokens=tokens, batch=batch)
         assert (got.codes, got.scales, got.residual, got.lengths) == tuple(want)
         assert got.total == want.total

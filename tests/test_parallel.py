@@ -226,3 +226,37 @@ def test_decode_attention_inside_a_users_shard_map():
     f = jax.jit(sm)
     got = f(q, shard_cache(cache, mesh, LONG_CONTEXT_RULES))
     np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
+
+
+def test_formats_sinks_and_rotation_on_token_shards():
+    """Per-token float formats, sinks (all on the first shard) and a rotation: prefill, appends
+    and chunks written where the tokens are (bit for bit), and the attention merged across
+    the shards equal to the unsharded reference."""
+    mesh = _mesh(1, 1, 4)
+    cfg = kj.KiviConfig(
+        4, 4, 32, 128, key_format="nvfp4", value_format="mxfp4", key_axis="token", sinks=5,
+        rotation="both",
+    )  # fmt: skip
+    c0 = kj.KiviCache.init(
+        cfg, num_layers=L, batch=4, kv_heads=HKV, head_dim=D, max_len=2048, dtype=jnp.float32
+    )
+    k, v = (jax.random.normal(jax.random.key(i), (L, 4, HKV, 600, D)) for i in (3, 4))
+    n = jnp.asarray([600, 500, 0, 3], jnp.int32)
+    want = c0.prefill(k, v, n)
+    sharded = shard_cache(c0, mesh, LONG_CONTEXT_RULES)
+    got = jax.jit(lambda c, k, v, n: kj.sequence_parallel_prefill(c, k, v, n, mesh=mesh))(
+        sharded, k, v, n
+    )
+    _gathered_equal(got, want)
+    kt, vt = (jax.random.normal(jax.random.key(30 + j), (L, 4, HKV, D)) for j in (0, 1))
+    got = kj.sequence_parallel_append(got, kt, vt, mesh=mesh)
+    want = want.append(kt, vt)
+    counts = jnp.asarray([40, 0, 9, 2], jnp.int32)
+    kc, vc = (jax.random.normal(jax.random.key(40 + j), (L, 4, HKV, 40, D)) for j in (0, 1))
+    got = kj.sequence_parallel_extend(got, kc, vc, counts, mesh=mesh)
+    want = want.extend(kc, vc, counts)
+    _gathered_equal(got, want)
+    q = _query(4)
+    ref = kj.decode_attention(q, want, 1, implementation="reference")
+    out = jax.jit(lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh))(q, got)
+    np.testing.assert_allclose(out, ref, atol=2e-5 * float(jnp.abs(ref).max()), rtol=0)

@@ -1,0 +1,57 @@
+"""The orthogonal rotation of keys and values before quantization (`KiviConfig.rotation`).
+
+R = diag(s) H / sqrt(D): H the D x D Sylvester Hadamard matrix, s a fixed pattern of signs
+(seeded by D, so every cache of a head size rotates alike). R is orthogonal, so rotating both q
+and k leaves q.k unchanged, and the output of attention over rotated values is rotated back by
+R^T. A key channel with outliers is spread over all D channels, which is what per-token
+quantization groups need (QuaRot, QuIP#).
+
+Applied as the fast Walsh-Hadamard transform: log2(D) stages of sums and differences, each
+element by the same operations whatever the array's shape, so a token rotates to the same bits
+streamed one at a time or prefilled with the rest (the cache's bit-for-bit promise).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+
+@functools.cache
+def signs(head_dim: int) -> np.ndarray:
+    """The fixed +-1 pattern of size D (float32)."""
+    return np.random.default_rng(head_dim).choice([-1.0, 1.0], head_dim).astype(np.float32)
+
+
+def _walsh_hadamard(x: Array) -> Array:
+    """x [..., D] times the Sylvester Hadamard matrix H (D a power of two), unnormalized."""
+    *lead, d = x.shape
+    h = 1
+    while h < d:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        h *= 2
+    return x
+
+
+def rotate(x: Array) -> Array:
+    """x [..., D] -> x R in float32."""
+    d = x.shape[-1]
+    _check(d)
+    return _walsh_hadamard(x.astype(jnp.float32) * signs(d)) * np.float32(1 / np.sqrt(d))
+
+
+def unrotate(x: Array) -> Array:
+    """x [..., D] -> x R^T in float32 (the inverse of `rotate`: H is symmetric, H H = D I)."""
+    d = x.shape[-1]
+    _check(d)
+    return _walsh_hadamard(x.astype(jnp.float32)) * np.float32(1 / np.sqrt(d)) * signs(d)
+
+
+def _check(d: int) -> None:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
