@@ -121,13 +121,16 @@ def check_positive(value: int | None, flag: str) -> None:
 
 def check_caches(
     caches: Sequence[str],
-    group_size: int,
+    group_size: int | None,
     residual: int,
     *,
     group_flag: str = "--group-size",
     residual_flag: str = "--residual",
+    sinks: int = 0,
+    rotation: str = "none",
 ) -> None:
-    """Cache names and the G / R flags, by the library's own rule (kivi_jax.KiviConfig).
+    """Cache names and the G / R / sinks / rotation flags, by the library's own rule
+    (kivi_jax.cache_config; G None: each name's own).
 
     G and R are checked even when every cache is the dense fp16 one, which ignores them: a value
     that no quantized cache accepts is a typo whichever cache runs.
@@ -140,17 +143,34 @@ def check_caches(
                 f"--cache: unknown cache name {name!r}; expected one of "
                 f"{', '.join(kivi_jax.CACHE_NAMES)}"
             )
-    # R=0 is valid for every G, so a failure here is G's alone; then R is checked against G.
+    quantized = [n for n in caches if n not in kivi_jax.DENSE_NAMES]
+    g = kivi_jax.cache.DEFAULT_GROUP_SIZE if group_size is None else group_size
+    # R=0 is valid for every G, so a failure here is G's alone (or a name's own G against the
+    # flag's); then R is checked against G.
     try:
-        kivi_jax.KiviConfig(group_size=group_size, residual_length=0)
+        kivi_jax.KiviConfig(group_size=g, residual_length=0)
+        for name in quantized:
+            kivi_jax.cache_config(name, group_size, residual_length=0)
     except ValueError as e:
         raise ValueError(f"{group_flag} {group_size}: {e}") from None
     try:
-        for name in caches:
-            kivi_jax.cache_config(name, group_size=group_size, residual_length=residual)
-        kivi_jax.KiviConfig(group_size=group_size, residual_length=residual)
+        for name in quantized:
+            kivi_jax.cache_config(name, group_size, residual_length=residual)
+        kivi_jax.KiviConfig(group_size=g, residual_length=residual)
     except ValueError as e:
         raise ValueError(f"{residual_flag} {residual}: {e}") from None
+    try:
+        kivi_jax.KiviConfig(sinks=sinks)
+    except ValueError as e:
+        raise ValueError(f"--sinks {sinks}: {e}") from None
+    try:
+        kivi_jax.KiviConfig(rotation=rotation)
+    except ValueError as e:
+        raise ValueError(f"--rotate {rotation}: {e}") from None
+    if (sinks or rotation != "none") and not quantized:
+        raise ValueError("--sinks / --rotate apply to quantized caches, and none was named")
+    for name in quantized:
+        kivi_jax.cache_config(name, group_size, residual, sinks=sinks, rotation=rotation)
 
 
 def check_implementation(

@@ -19,7 +19,10 @@ def generate(
         help="Read the prompt from this UTF-8 file (- for stdin; trailing newlines dropped).",
     ),
     model: str = typer.Option(
-        "smollm2", "--model", "-m", help="Model name (smollm2), a .gguf file or a HF directory."
+        "smollm2",
+        "--model",
+        "-m",
+        help="Model name (smollm2, gemma3), a .gguf file or a HF directory.",
     ),
     cache: str = typer.Option(
         "kivi2", "--cache", help="KV cache: fp16 (dense, model dtype), kivi2, kivi4, k4v2, ..."
@@ -39,8 +42,16 @@ def generate(
     no_chat_template: bool = typer.Option(
         False, "--no-chat-template", help="Feed the prompt as raw text."
     ),
-    group_size: int = typer.Option(32, "--group-size", help="KIVI group size G."),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help="KIVI group size G (default: the cache's own, 32 for most)."
+    ),
     residual_length: int = typer.Option(128, "--residual-length", help="KIVI residual R."),
+    sinks: int = typer.Option(
+        0, "--sinks", help="Keep the first N tokens in full precision too (quantized caches)."
+    ),
+    rotate: str = typer.Option(
+        "none", "--rotate", help="Hadamard-rotate keys, values or both before quantizing."
+    ),
     implementation: str = typer.Option(
         "auto",
         "--implementation",
@@ -71,7 +82,8 @@ def generate(
         "attends to the quantized past): peak memory the cache plus one chunk.",
     ),
 ) -> None:
-    """Generate text with SmolLM2 (or another Llama-family model) over a quantized KV cache."""
+    """Generate text with SmolLM2, Gemma 3 or another Llama-family model over a quantized KV
+    cache."""
     import jax
     import jax.numpy as jnp
 
@@ -84,7 +96,14 @@ def generate(
     # Every flag is checked before the model loads: a typo costs no loading time.
     with checks.user_errors():
         prompt = checks.read_prompt(prompt, prompt_file)
-        checks.check_caches([cache], group_size, residual_length, residual_flag="--residual-length")
+        checks.check_caches(
+            [cache],
+            group_size,
+            residual_length,
+            residual_flag="--residual-length",
+            sinks=sinks,
+            rotation=rotate,
+        )
         checks.check_dtype(dtype)
         checks.check_positive(max_new_tokens, "--max-new-tokens")
         checks.check_implementation(implementation, [cache])
@@ -115,11 +134,19 @@ def generate(
         checks.fail(f"--model {model} has no tokenizer (tokenizer.json)")
     params = gen.decode_layout(params)  # rebinding frees the stacked weights on GPUs
     load_s = time.perf_counter() - t0
+    # Gemma 3 270M as packaged is the base model: its GGUF has no chat template, and raw text
+    # is what it takes. Any other model without one keeps the error naming --no-chat-template.
+    from models.gemma3 import Gemma3Config
+
+    is_gemma3 = isinstance(config, Gemma3Config)
+    raw = no_chat_template or (is_gemma3 and not tok.chat_template)
     # no chat template or one we cannot render; a character the vocabulary cannot encode
     with checks.user_errors():
-        text_in = prompt if no_chat_template else tok.apply_chat_template(prompt)
+        text_in = prompt if raw else tok.apply_chat_template(prompt)
         ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
-    cfg_kw = dict(group_size=group_size, residual_length=residual_length)
+    cfg_kw = dict(
+        group_size=group_size, residual_length=residual_length, sinks=sinks, rotation=rotate
+    )
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
     if not json_out:
         print(
@@ -159,7 +186,9 @@ def generate(
         )
     new = out.tokens[0]
     text = tok.decode(new)
-    shape = memory.KVShape(config.num_layers, config.num_kv_heads, config.head_dim)
+    # Gemma 3: only the global layers' cache grows with the context (the local rings are fixed)
+    grows = len(config.global_layers) if is_gemma3 else config.num_layers
+    shape = memory.KVShape(grows, config.num_kv_heads, config.head_dim)
     held = len(ids) + len(new) - 1  # the last token is never written to the cache
     per_tok = memory.bytes_per_token(shape, kcfg)
     per_tok16 = memory.bytes_per_token(shape, None)

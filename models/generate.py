@@ -7,6 +7,10 @@ programs, not one per prompt. Padding never reaches attention: prefill masks key
 row's length and the cache attends to [0, lengths[b]) per row.
 
 `stream` is the Python-level generator for interactive use: one jitted decode step per token.
+
+Both take a Llama-family model (`models.llama`, a ModelConfig) or Gemma 3 (`models.gemma3`, a
+Gemma3Config: its prefill, decode step and `Gemma3Cache`, the rings of the local layers exact
+and the named cache on the global ones); `model_module` picks by the config's type.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 from jax import Array
 
 import kivi_jax
-from models import llama
+from models import gemma3, llama
 from models.presets import ModelConfig
 
 MIN_BUCKET = 16
@@ -44,6 +48,17 @@ def _on_event(name: str, seconds: float, **_):
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def model_module(config):
+    """The module whose `prefill` / `decode_step` run `config`: `models.gemma3` for a
+    Gemma3Config, `models.llama` otherwise (same signatures)."""
+    return gemma3 if isinstance(config, gemma3.Gemma3Config) else llama
+
+
+def _not_for_gemma3(config, what: str, why: str) -> None:
+    if isinstance(config, gemma3.Gemma3Config):
+        raise NotImplementedError(f"{what} is not implemented for Gemma 3 ({config.name}): {why}")
 
 
 def compile_stats() -> tuple[int, float]:
@@ -163,7 +178,7 @@ def _decode_loop(
         return (s.step < max_new) & ~all_done
 
     def body(s: LoopState):
-        logits, cache = llama.decode_step(
+        logits, cache = model_module(config).decode_step(
             params, config, s.last, s.cache, implementation=implementation
         )
         tok = pick(logits, s.rng, s.step, s.done)
@@ -179,8 +194,20 @@ def _decode_loop(
     return jax.lax.while_loop(cond, body, state)
 
 
+def _prefill(params, config, tokens, lengths, cache, *, all_logits=False, kv_transform=None):
+    return model_module(config).prefill(
+        params, config, tokens, lengths, cache, all_logits=all_logits, kv_transform=kv_transform
+    )
+
+
+def _decode_step(params, config, tokens, cache, *, implementation="reference"):
+    return model_module(config).decode_step(
+        params, config, tokens, cache, implementation=implementation
+    )
+
+
 prefill_jit = jax.jit(
-    llama.prefill,
+    _prefill,
     static_argnames=("config", "all_logits", "kv_transform"),
     donate_argnames=("cache",),
 )
@@ -190,7 +217,7 @@ prefill_chunked_jit = jax.jit(
     donate_argnames=("cache",),
 )
 decode_step_jit = jax.jit(
-    llama.decode_step, static_argnames=("config", "implementation"), donate_argnames=("cache",)
+    _decode_step, static_argnames=("config", "implementation"), donate_argnames=("cache",)
 )
 decode_loop_jit = jax.jit(
     _decode_loop,
@@ -266,7 +293,12 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
     """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
-    with one buffer per layer, for per-layer weights: `decode_layout`)."""
+    with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation. For a
+    Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
+    if isinstance(config, gemma3.Gemma3Config):
+        return gemma3.Gemma3Cache.init(
+            cache, config, batch=batch, max_len=max_len, dtype=dtype, **kw
+        )
     return kivi_jax.make_cache(
         cache,
         num_layers=config.num_layers,
@@ -279,9 +311,18 @@ def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, 
     )
 
 
-def _cache_kw(group_size, residual_length, params):
+def cache_nbytes(cache) -> int:
+    """Bytes a cache holds (a kivi_jax cache's `nbytes().total`; a Gemma3Cache's rings and
+    global cache together)."""
+    nb = cache.nbytes()
+    return int(nb["total"] if isinstance(nb, dict) else nb.total)
+
+
+def _cache_kw(group_size, residual_length, params, sinks=0, rotation="none"):
     # per-layer weights decode in an unrolled loop: a dense cache there holds a buffer per layer
     kw = {"per_layer": llama.is_unstacked(params)}
+    if sinks or rotation != "none":
+        kw.update(sinks=sinks, rotation=rotation)
     if group_size is not None:
         kw["group_size"] = group_size
     if residual_length is not None:
@@ -317,7 +358,14 @@ def prefill_program(config, prefill_chunk, implementation):
     """The prefill of a generation: (params, tokens, lengths, cache) -> (logits, cache), in one
     piece (`llama.prefill`) or `prefill_chunk` tokens at a time (`llama.prefill_chunked`)."""
     if prefill_chunk is None:
-        return lambda params, tokens, lengths, c: llama.prefill(params, config, tokens, lengths, c)
+        module = model_module(config)
+        return lambda params, tokens, lengths, c: module.prefill(params, config, tokens, lengths, c)
+    _not_for_gemma3(
+        config,
+        "a chunked prefill",
+        "it needs chunk attention over the global cache plus each chunk's sliding window over "
+        "the local rings (a models.gemma3.prefill_chunked); prefill in one piece",
+    )
     impl = chunk_implementation(implementation)
     return lambda params, tokens, lengths, c: llama.prefill_chunked(
         params, config, tokens, lengths, c, chunk=prefill_chunk, implementation=impl
@@ -391,13 +439,16 @@ def generate(
     implementation: str = "reference",
     group_size: int | None = None,
     residual_length: int | None = None,
+    sinks: int = 0,
+    rotation: str = "none",
     mesh=None,
     rules=None,
     prefill_chunk: int | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
 
-    cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype). Rows stop
+    cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype); group_size,
+    residual_length, sinks and rotation as `kivi_jax.cache_config` takes them. Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params)` to skip that copy on repeated calls.
@@ -411,6 +462,9 @@ def generate(
     prefill_chunk: prefill the prompts that many tokens at a time through the cache
     (`llama.prefill_chunked`: each chunk attends to the cache's quantized past and exactly to
     itself), so that a prompt's dense K/V never exist at once; None prefills in one piece.
+
+    Gemma 3 (a Gemma3Config): the same loop over a `models.gemma3.Gemma3Cache`; mesh and
+    prefill_chunk raise NotImplementedError for it (`_not_for_gemma3` says why).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -418,6 +472,15 @@ def generate(
         not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
     ):
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
+    if mesh is not None:
+        _not_for_gemma3(
+            config,
+            "generation over a mesh",
+            "the token shards of kivi_jax.parallel cover the global layers' cache, not the "
+            "local layers' rings, and no shard_map wraps models.gemma3's decode step",
+        )
+    if prefill_chunk is not None:
+        prefill_program(config, prefill_chunk, implementation)  # NotImplementedError for Gemma
     params = decode_layout(params)
     check_token_ids(prompts, config)
     n_prompts = len(prompts)
@@ -437,7 +500,7 @@ def generate(
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     dtype = params["embed"].dtype
-    kw = _cache_kw(group_size, residual_length, params)
+    kw = _cache_kw(group_size, residual_length, params, sinks, rotation)
     if mesh is not None:
         if kivi_jax.cache_config(cache) is None:
             raise ValueError(f"generation over a mesh needs a KIVI cache, got {cache!r}")
@@ -446,7 +509,7 @@ def generate(
     c = new_cache(cache, config, B, max_len, dtype, **kw)
     dense16 = jax.eval_shape(lambda: new_cache("fp16", config, B, max_len, jnp.bfloat16))
     dense16_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense16))
-    cache_bytes = c.nbytes().total
+    cache_bytes = cache_nbytes(c)
 
     run_prefill = lambda params, tokens, lengths, c: prefill_jit(params, config, tokens, lengths, c)
     if prefill_chunk is not None:
@@ -524,6 +587,8 @@ def stream(
     implementation: str = "reference",
     group_size: int | None = None,
     residual_length: int | None = None,
+    sinks: int = 0,
+    rotation: str = "none",
 ) -> Iterator[int]:
     """Yield generated token ids one by one (the stop token, if hit, is yielded last).
 
@@ -539,7 +604,7 @@ def stream(
         1,
         max_len,
         params["embed"].dtype,
-        **_cache_kw(group_size, residual_length, params),
+        **_cache_kw(group_size, residual_length, params, sinks, rotation),
     )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     rng = jax.random.key(seed)

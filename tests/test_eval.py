@@ -153,3 +153,190 @@ def test_pad_prompts():
     toks, lens = passkey.pad_prompts([[5, 6, 7], [8]])
     np.testing.assert_array_equal(toks, [[5, 6, 7], [8, 0, 0]])
     np.testing.assert_array_equal(lens, [3, 1])
+
+
+# ---------------------------------------------------------------- the report's formats grid
+
+
+def _ppl_rec(proto, cache, g, r, bits, p, sinks=None, rotation=None):
+    rec = {
+        "id": f"{proto}:{cache}/G{g}/R{r}/S{sinks}/{rotation}",
+        "kind": "ppl",
+        "model": "tiny",
+        "protocol": proto,
+        "cache": cache,
+        "group_size": None if cache == "fp16" else g,
+        "residual_length": None if cache == "fp16" else r,
+        "bits_per_element": bits,
+        "ppl": p,
+        "n_tokens": 512,
+        "prefill": 512,
+        "decode": 128,
+        "windows": 4,
+        "seconds": 3.0,
+    }
+    if sinks is not None:  # records from before sinks and rotation existed have neither field
+        rec.update(sinks=sinks, rotation=rotation)
+    return rec
+
+
+def _passkey_task(mode, specs, accuracy):
+    cells = [
+        {"length": n, "depth": d, "prompt_tokens": n - 10, "accuracy": accuracy}
+        for n in (1024, 8192)
+        for d in (0.0, 0.5)
+    ]
+    return {
+        "id": f"passkey:formats:{mode}",
+        "kind": "passkey",
+        "set": "formats",
+        "mode": mode,
+        "results": [
+            {
+                **s.describe(),
+                "group_size": s.group_size,
+                "residual_length": s.residual_length,
+                "mode": mode,
+                "trials": 3,
+                "seed": 0,
+                "chat_template": False,
+                "max_new_tokens": 10,
+                "cells": cells,
+                "answers": [],
+                "accuracy": accuracy,
+            }
+            for s in specs
+        ],
+    }
+
+
+def test_report_plan_has_the_format_tasks_with_unique_ids():
+    from models.eval import report
+    from models.eval.ppl import CacheSpec
+
+    settings = report.GridSettings()
+    tasks = report.plan(settings)
+    ids = [t["id"] for t in tasks]
+    assert len(ids) == len(set(ids))
+    keys = [report._spec_key(s) for s in report.FORMATS]
+    assert len(keys) == len(set(keys))
+    assert report._spec_key(CacheSpec("kivi2", 32, 128, 8, "both")) == "kivi2/G32/R128/S8/rot=both"
+    assert report._spec_key(CacheSpec("kivi2", 32, 128)) == "kivi2/G32/R128"  # as older files
+    for key in (
+        "fp8/G64/R128",
+        "nvfp4/G64/R128",
+        "mxfp4/G32/R128",
+        "kivi2/G32/R128/S8",
+        "kivi2/G64/R128/rot=both",
+        "kivi2/G64/R128/S8/rot=both",
+        "pertoken2/G32/R128/rot=both",
+        "k4v2/G64/R128/S8",
+    ):
+        assert f"stream:{key}" in ids
+        assert f"sim:{key.replace('/R128', '/R0')}" in ids
+    # After the core tasks; each format task runs its spec's sinks and rotation.
+    assert ids.index("passkey:short") < ids.index("stream:fp8/G64/R128")
+    by_id = {t["id"]: t for t in tasks}
+    spec = by_id["sim:kivi2/G64/R0/S8/rot=both"]["spec"]
+    assert (spec.residual_length, spec.sinks, spec.rotation) == (0, 8, "both")
+    pk = [t for t in tasks if t.get("set") == "formats"]
+    assert {t["mode"] for t in pk} == {"prefill", "streamed"}
+    lengths = sorted(n for t in pk if t["mode"] == "streamed" for n in t["lengths"])
+    assert lengths == [1024, 2048, 4096, 8192]
+    for t in pk:
+        assert 1.0 not in t["depths"] and len(t["depths"]) * t["trials"] >= 10
+
+
+def test_report_old_records_without_sinks_or_rotation_still_match():
+    from models.eval import report
+    from models.eval.ppl import CacheSpec
+
+    old = _ppl_rec("streaming", "kivi2", 32, 128, 3.0, 12.5)  # no sinks/rotation fields
+    new = _ppl_rec("streaming", "kivi2", 32, 128, 3.0, 11.0, sinks=8, rotation="both")
+    plain = _ppl_rec("streaming", "kivi2", 32, 128, 3.0, 12.4, sinks=0, rotation="none")
+    assert report._find([new, old], "kivi2", 32, 128) == 12.5
+    assert report._find([new, plain], "kivi2", 32, 128) == 12.4
+    assert report._find([old, new], "kivi2", 32, 128, sinks=8, rotation="both") == 11.0
+    assert report._find([old], "kivi2", 32, 128, sinks=8) is None
+    assert report._find_rec([new, old], CacheSpec("kivi2", 32, 128)) is old
+    assert report._spec_of(old) == CacheSpec("kivi2", 32, 128)
+    assert report._label(old) == "kivi2 G32 R128"
+    assert report._label(new) == "kivi2 G32 R128 S8 rot=both"
+
+
+def test_pareto_front():
+    from models.eval import report
+
+    pts = [
+        (3.0, 20.0, "a"),
+        (2.5, 25.0, "b"),
+        (3.0, 22.0, "same bits, worse"),
+        (4.0, 18.0, "c"),
+        (4.0, 18.0, "tie with c"),
+        (5.0, 18.0, "same ppl, more bits"),
+        (4.5, 19.0, "dominated by c"),
+        (8.0, 17.5, "d"),
+    ]
+    front = report.pareto_front(pts)
+    assert [p[2] for p in front] == ["b", "a", "c", "tie with c", "d"]
+    assert report.pareto_front([]) == []
+    assert report.pareto_front([(1.0, 2.0)]) == [(1.0, 2.0)]
+
+
+def test_report_formats_table_and_best_at_budget(tmp_path):
+    import json
+
+    from models.eval import report
+    from models.eval.ppl import CacheSpec
+
+    recs = [
+        _ppl_rec("streaming", "fp16", None, None, 16.0, 10.0),
+        _ppl_rec("simulated", "fp16", None, None, 16.0, 10.0),
+        _ppl_rec("streaming", "kivi2", 32, 128, 3.0, 12.5),  # an old record: no sinks fields
+        _ppl_rec("simulated", "kivi2", 32, 0, 3.0, 20.0),
+        _ppl_rec("streaming", "kivi2", 32, 128, 3.0, 11.0, sinks=8, rotation="both"),
+        _ppl_rec("simulated", "kivi2", 32, 0, 3.0, 14.0, sinks=8, rotation="both"),
+        _ppl_rec("streaming", "kivi2", 64, 128, 2.5, 14.0, sinks=0, rotation="none"),
+        _ppl_rec("streaming", "kivi2", 64, 128, 2.5, 13.0, sinks=8, rotation="none"),
+        _ppl_rec("streaming", "mxfp4", 32, 128, 4.25, 10.5, sinks=0, rotation="none"),
+        _ppl_rec("streaming", "fp8", 64, 128, 8.25, 10.6, sinks=0, rotation="none"),  # beaten
+        _ppl_rec("streaming", "kivi4", 32, 128, 5.0, 10.2, sinks=0, rotation="none"),
+    ]
+    # The formats passkey runs fp16 and the Pareto front, with each spec's sinks and rotation.
+    specs = report.formats_passkey_specs(recs)
+    assert specs == [
+        CacheSpec("fp16"),
+        CacheSpec("kivi2", 64, 128, 8),
+        CacheSpec("kivi2", 32, 128, 8, "both"),
+        CacheSpec("mxfp4", 32, 128),
+        CacheSpec("kivi4", 32, 128),
+    ]
+    recs += [_passkey_task("prefill", specs, 1.0), _passkey_task("streamed", specs, 2 / 3)]
+    assert report.formats_passkey_specs(recs) == specs  # later tasks: the same caches
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    text = report.write_report(path, tmp_path / "docs", "kivi-jax eval report").read_text()
+    assert "## Formats" in text
+    assert (
+        "| cache | G | sinks | rotation | bits/elem | streaming ppl | vs fp16 | simulated ppl | "
+        "passkey prefill | passkey streamed |" in text
+    )
+    assert "| fp16 | - | - | - | 16.00 | 10.000 | +0.0% | 10.000 | 12/12 | 8/12 |" in text
+    assert "| kivi2 | 32 | 0 | none | 3.00 | 12.500 | +25.0% | 20.000 | - | - |" in text
+    assert "| kivi2 | 32 | 8 | both | 3.00 | 11.000 | +10.0% | 14.000 | 12/12 | 8/12 |" in text
+    assert "| fp8 | 64 | 0 | none | 8.25 | 10.600 | +6.0% | - | - | - |" in text
+    assert (
+        "- Best at <= 3.0 bits per element by streaming perplexity: kivi2 G32 R128 S8 rot=both "
+        "(3.00 bits, 11.000, +10.0% over fp16)." in text
+    )
+    assert (
+        "- Best at <= 2.5 bits per element by streaming perplexity: kivi2 G64 R128 S8 "
+        "(2.50 bits, 13.000, +30.0% over fp16)." in text
+    )
+    assert "kivi4 G32 R128 (5.00 bits, 10.200)." in text and "fp8 G64 R128 (" not in text
+    # The plain streaming table tells the variants apart; the passkey table of the front
+    # keeps the modes apart.
+    assert "| kivi2 S8 rot=both | 32 | 128 | 3.00 | 11.000 | +10.0% |" in text
+    assert "| kivi2 G32 R128 S8 rot=both, streamed | 0.67 | 0.67 | 0.67 |" in text
+    for png in ("accuracy_ppl_bits.png", "accuracy_passkey_formats.png"):
+        assert (tmp_path / "docs" / png).stat().st_size > 1000

@@ -17,9 +17,19 @@ eval_app = typer.Typer(
 
 ModelOpt = Annotated[str, typer.Option(help="Model name (smollm2), .gguf file or HF directory")]
 CacheOpt = Annotated[str, typer.Option(help="Cache: fp16, kivi2, kivi4, k4v2, pertoken2, ...")]
-GroupOpt = Annotated[int, typer.Option(help="G: quantization group size (quantized caches)")]
+GroupOpt = Annotated[
+    int | None,
+    typer.Option(help="G: quantization group size (default: the cache's own, 32 for most)"),
+]
 ResidualOpt = Annotated[int, typer.Option(help="R: full-precision residual tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="Weights and residual dtype: float32, bfloat16")]
+SinksOpt = Annotated[
+    int, typer.Option(help="Keep the first N tokens in full precision too (quantized caches)")
+]
+RotateOpt = Annotated[
+    str,
+    typer.Option("--rotate", help="Hadamard-rotate keys, values or both before quantizing (none)"),
+]
 PrefillChunkOpt = typer.Option(
     "--prefill-chunk",
     help="Prefill this many tokens at a time through the cache (each chunk attends to the "
@@ -38,8 +48,10 @@ AllowUnusedOpt = Annotated[
 def ppl_cmd(
     model: ModelOpt = "smollm2",
     cache: CacheOpt = "kivi2",
-    group_size: GroupOpt = 32,
+    group_size: GroupOpt = None,
     residual: ResidualOpt = 128,
+    sinks: SinksOpt = 0,
+    rotate: RotateOpt = "none",
     prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
     decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
     windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
@@ -76,9 +88,9 @@ def ppl_cmd(
     from models import cli_checks as checks
     from models.eval import ppl
 
-    spec = ppl.CacheSpec(cache, group_size, residual)
     with checks.user_errors():  # every flag before the model loads
-        checks.check_caches([cache], group_size, residual)
+        checks.check_caches([cache], group_size, residual, sinks=sinks, rotation=rotate)
+        spec = ppl.CacheSpec.named(cache, group_size, residual, sinks, rotate)
         checks.check_dtype(dtype)
         for value, flag in (
             (prefill, "--prefill"),
@@ -178,8 +190,10 @@ def passkey_cmd(
     cache: Annotated[
         list[str] | None, typer.Option(help="Cache name (repeatable; default fp16 and kivi2)")
     ] = None,
-    group_size: GroupOpt = 32,
+    group_size: GroupOpt = None,
     residual: ResidualOpt = 128,
+    sinks: SinksOpt = 0,
+    rotate: RotateOpt = "none",
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="Needle depths in [0, 1]")] = "0,0.25,0.5,0.75,1",
     trials: Annotated[int, typer.Option(help="Keys per (length, depth) cell")] = 5,
@@ -216,7 +230,7 @@ def passkey_cmd(
 
     names = cache or ["fp16", "kivi2"]
     with checks.user_errors():  # every flag before the model loads
-        checks.check_caches(names, group_size, residual)
+        checks.check_caches(names, group_size, residual, sinks=sinks, rotation=rotate)
         checks.check_dtype(dtype)
         for value, flag in (
             (trials, "--trials"),
@@ -226,7 +240,7 @@ def passkey_cmd(
         ):
             checks.check_positive(value, flag)
         checks.check_implementation(implementation, names)
-        specs = [ppl.CacheSpec(c, group_size, residual) for c in names]
+        specs = [ppl.CacheSpec.named(c, group_size, residual, sinks, rotate) for c in names]
         lens = _lengths(lengths)
         deps = _floats(depths, "--depths")
         if not lens or not deps:

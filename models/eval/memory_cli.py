@@ -20,7 +20,7 @@ def memory_table(
     tokens: int,
     batch: int,
     budget: float,
-    group_size: int,
+    group_size: int | None,
     residual: int,
 ) -> list[dict]:
     """One row per cache: bits/element, bytes/token, allocated bytes, and what fits in budget."""
@@ -72,7 +72,9 @@ def memory(
     cache: Annotated[
         list[str] | None, typer.Option(help="Cache name (repeatable); default: a standard set")
     ] = None,
-    group_size: Annotated[int, typer.Option(help="G for the quantized caches")] = 32,
+    group_size: Annotated[
+        int | None, typer.Option(help="G for the quantized caches (default: each cache's own)")
+    ] = None,
     residual: Annotated[int, typer.Option(help="R for the quantized caches")] = 128,
     layers: Annotated[int | None, typer.Option(help="Override: number of layers")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="Override: key/value heads")] = None,
@@ -124,7 +126,7 @@ def compute_memory(
     num_gpus: int,
     weights: str,
     caches: list[str],
-    group_size: int,
+    group_size: int | None,
     residual: int,
     layers: int | None,
     kv_heads: int | None,

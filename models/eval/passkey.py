@@ -21,6 +21,10 @@ Modes (`evaluate_passkey(mode=...)`):
               after it fed token by token through the cache (teacher-forced decode): when the
               question is asked the needle sits in the quantized region, as it would in a
               long conversation. The harder, fairer test of a quantized cache.
+
+Gemma 3 (`models.gemma3`) runs the "prefill" mode, each cache with its own exact prefill (its
+`Gemma3Cache` is refilled from the prompt, not from a shared dense one); "streamed" raises
+NotImplementedError for it (no `append_chunked` over the local rings yet).
 """
 
 from __future__ import annotations
@@ -193,7 +197,9 @@ def _prefill_fn(model_config, prefill_chunk=None, implementation=None):
 
 @functools.lru_cache(maxsize=16)
 def _continue_fn(model_config, max_new_tokens: int, implementation: str):
-    from models.llama import decode_step
+    from models.generate import model_module
+
+    decode_step = model_module(model_config).decode_step
 
     def run(params, first, cache):
         def step(carry, _):
@@ -286,8 +292,11 @@ def greedy_generate_shared(
     that cache's quantized past.
     """
     from models.eval.ppl import CacheSpec, _model_dtype
+    from models.gemma3 import Gemma3Config
 
-    if prefill_chunk is not None:
+    # Gemma 3's caches differ in their global part only, but their rings are sized by max_len:
+    # each cache takes its own (exact) prefill instead of a copy of a dense one's K/V.
+    if prefill_chunk is not None or isinstance(model_config, Gemma3Config):
         return {
             spec: greedy_generate(
                 params,
@@ -356,6 +365,17 @@ def evaluate_passkey(
     check_prefill_chunk(prefill_chunk)
     if mode == "streamed" and prefill_chunk is not None:
         raise ValueError("the streamed mode feeds the prompt token by token: no prefill chunk")
+    from models.generate import _not_for_gemma3, prefill_program
+
+    if mode == "streamed":
+        _not_for_gemma3(
+            model_config,
+            "the streamed passkey mode",
+            "it feeds ragged rows through models.llama.append_chunked, which Gemma 3's local "
+            "rings do not have; use --mode prefill",
+        )
+    if prefill_chunk is not None:
+        prefill_program(model_config, prefill_chunk, implementation)  # NotImplementedError
     for n in lengths:
         if max_positions is not None and n > max_positions:
             raise ValueError(

@@ -14,6 +14,12 @@ replaced by their quantize-dequantize image (all of them, no residual window), s
 T tokens. It isolates the quantizer from the residual window (KIVI paper, Table 1).
 
 Perplexity = exp(mean NLL over all scored tokens of all windows).
+
+Gemma 3 (a `models.gemma3.Gemma3Config`) runs both protocols through `models.gemma3`: streaming
+prefills into a `Gemma3Cache` (the named cache on the global layers, exact rings of the sliding
+window on the local ones) and decodes through it; simulated quantizes the global layers' K/V
+only, the layers whose cache is quantized. Meshes and prefill chunks are Llama-only
+(NotImplementedError, `models.generate`).
 """
 
 from __future__ import annotations
@@ -156,6 +162,19 @@ class CacheSpec:
     name: str
     group_size: int = 32
     residual_length: int = 128
+    sinks: int = 0
+    rotation: str = "none"
+
+    @classmethod
+    def named(cls, name, group_size=None, residual_length=128, sinks=0, rotation="none"):
+        """A spec whose knobs apply where the cache is quantized (the dense one, compared beside
+        them, takes none); group_size None: the name's own (`kivi_jax.cache_config`)."""
+        import kivi_jax
+
+        if name in kivi_jax.DENSE_NAMES:
+            return cls(name, residual_length=residual_length)
+        cfg = kivi_jax.cache_config(name, group_size, residual_length)
+        return cls(name, cfg.group_size, residual_length, sinks, rotation)
 
     def config(self):
         """The KiviConfig (None for the dense cache); raises ValueError on an unknown name."""
@@ -167,7 +186,11 @@ class CacheSpec:
                 f"expected one of {', '.join(kivi_jax.CACHE_NAMES)}"
             )
         return kivi_jax.cache_config(
-            self.name, group_size=self.group_size, residual_length=self.residual_length
+            self.name,
+            group_size=self.group_size,
+            residual_length=self.residual_length,
+            sinks=self.sinks,
+            rotation=self.rotation,
         )
 
     def describe(self) -> dict:
@@ -178,8 +201,22 @@ class CacheSpec:
         return out
 
     def make(self, model_config, *, batch: int, max_len: int, dtype):
+        """An empty cache for `model_config` (a `models.gemma3.Gemma3Cache` for Gemma 3)."""
         import kivi_jax
+        from models import gemma3
 
+        if isinstance(model_config, gemma3.Gemma3Config):
+            return gemma3.Gemma3Cache.init(
+                self.name,
+                model_config,
+                batch=batch,
+                max_len=max_len,
+                dtype=dtype,
+                group_size=self.group_size,
+                residual_length=self.residual_length,
+                sinks=self.sinks,
+                rotation=self.rotation,
+            )
         return kivi_jax.make_cache(
             self.name,
             num_layers=model_config.num_layers,
@@ -190,6 +227,8 @@ class CacheSpec:
             dtype=dtype,
             group_size=self.group_size,
             residual_length=self.residual_length,
+            sinks=self.sinks,
+            rotation=self.rotation,
         )
 
 
@@ -208,21 +247,40 @@ def qdq_transform(kivi_config) -> Callable | None:
     """
     if kivi_config is None:
         return None
+    from kivi_jax import formats, rotation
     from kivi_jax.quant import dequantize, quantize
 
-    g = kivi_config.group_size
+    cfg = kivi_config
+    g, n_sinks = cfg.group_size, cfg.sinks
 
-    def qdq(x, bits, axis):
+    def qdq_int(x, bits, axis):
         s = x.shape[-2]
         pad = (-s) % g if axis == "channel" else 0
         xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)], mode="edge") if pad else x
-        q = quantize(xp, bits, g, axis, kivi_config.scale_dtype)
-        return dequantize(q, x.dtype)[..., :s, :]
+        if n_sinks and axis == "channel":  # sinks out of their group's range, as the cache
+            *lead, t, d = xp.shape
+            xg = xp.reshape(*lead, t // g, g, d)
+            pos = jnp.arange(t).reshape(t // g, g, 1)
+            xp = jnp.where(pos < n_sinks, xg[..., -1:, :], xg).reshape(xp.shape)
+        q = quantize(xp, bits, g, axis, cfg.scale_dtype)
+        return dequantize(q, jnp.float32)[..., :s, :]
+
+    def qdq_float(x, fmt, bits):  # per token, groups of G channels
+        *lead, d = x.shape
+        codes, scale, aux = formats.encode(fmt, x.reshape(*lead, d // g, g), bits, cfg.scale_dtype)
+        return formats.decode(fmt, codes, scale, aux, g).reshape(x.shape)
+
+    def qdq(x, fmt, bits, axis, rotate):
+        xr = rotation.rotate(x) if rotate else x.astype(jnp.float32)
+        y = qdq_int(xr, bits, axis) if fmt == "int" else qdq_float(xr, fmt, bits)
+        if n_sinks:  # the first positions stay exact
+            y = jnp.where(jnp.arange(x.shape[-2])[:, None] < n_sinks, xr, y)
+        return (rotation.unrotate(y) if rotate else y).astype(x.dtype)
 
     def transform(k, v):
         return (
-            qdq(k, kivi_config.key_bits, kivi_config.key_axis),
-            qdq(v, kivi_config.value_bits, kivi_config.value_axis),
+            qdq(k, cfg.key_format, cfg.key_bits, cfg.key_axis, cfg.rotates_keys),
+            qdq(v, cfg.value_format, cfg.value_bits, cfg.value_axis, cfg.rotates_values),
         )
 
     return transform
@@ -245,9 +303,9 @@ def _batches(n: int, batch_size: int | None):
 def _streaming_run(
     model_config, prefill_len: int, decode_len: int, implementation: str, prefill_chunk=None
 ):
-    from models.generate import prefill_program
-    from models.llama import decode_step
+    from models.generate import model_module, prefill_program
 
+    decode_step = model_module(model_config).decode_step
     run_prefill = prefill_program(model_config, prefill_chunk, implementation)
 
     def run(params, windows, cache):
@@ -331,8 +389,13 @@ def streaming_nll(
     dtype = _model_dtype(params)
     max_len, split = w, 1
     if mesh is not None:
-        from models.generate import _mesh_rules
+        from models.generate import _mesh_rules, _not_for_gemma3
 
+        _not_for_gemma3(
+            model_config,
+            "the streaming perplexity over a mesh",
+            "the token shards of kivi_jax.parallel cover a global cache, not the local rings",
+        )
         if spec.config() is None:
             raise ValueError(f"a mesh splits a KIVI cache's tokens, got cache {spec.name!r}")
         rules = _mesh_rules(mesh, rules)
@@ -367,8 +430,9 @@ def streaming_nll(
 
 @functools.lru_cache(maxsize=8)
 def _full_fn(model_config, prefill_len: int, kivi_config):
-    from models.llama import prefill
+    from models.generate import model_module
 
+    prefill = model_module(model_config).prefill  # Gemma 3: the global layers transformed
     transform = qdq_transform(kivi_config)
 
     def run(params, windows):

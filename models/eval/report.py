@@ -3,7 +3,8 @@
 `run_grid` appends one JSON line per finished task to a results file (so a long run can be
 resumed and a partial run still reports what it finished); `write_report` turns that file into
 docs/accuracy.md and the PNG plots. Task order is priority order: the cache comparisons that
-carry the argument first, the rest of the G x R grid after.
+carry the argument first, then the cache formats (FORMATS: element formats, sinks, rotation,
+docs/formats.md) and passkey of those on their Pareto front, the rest of the G x R grid after.
 """
 
 from __future__ import annotations
@@ -42,6 +43,29 @@ PASSKEY_CACHES = (
     CacheSpec("valchannel2", 32, 128),
 )
 KEY_LAYERS = (0, 10, 20, 29)
+# The cache formats of docs/formats.md beside the KIVI caches they compete with, at R=128. The
+# plain kivi2 and k4v2 at G=64 come first: the rows the sinks and rotation variants are read
+# against (kivi2, kivi4, k4v2 and pertoken2 at G=32 are in CORE).
+FORMATS = (
+    CacheSpec("kivi2", 64, 128),
+    CacheSpec("k4v2", 64, 128),
+    CacheSpec("fp8", 64, 128),
+    CacheSpec("nvfp4", 64, 128),
+    CacheSpec("mxfp4", 32, 128),
+    *(
+        CacheSpec("kivi2", g, 128, sinks, rotation)
+        for g in (32, 64)
+        for sinks, rotation in ((8, "none"), (0, "both"), (8, "both"))
+    ),
+    CacheSpec("pertoken2", 32, 128, rotation="both"),
+    CacheSpec("k4v2", 64, 128, sinks=8),
+)
+# The rows of the report's Formats table and the candidates of its Pareto front.
+FORMAT_ROWS = (
+    CacheSpec("fp16"),
+    *(s for s in CORE if s.name in ("kivi2", "kivi4", "k4v2", "pertoken2")),
+    *FORMATS,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +81,64 @@ class GridSettings:
     passkey_long_batch: int = 1  # an 8k prefill's attention scores are B x 9 x 8k x 8k floats
     passkey_trials: int = 2
     key_layers: tuple[int, ...] = KEY_LAYERS
+    # Passkey of fp16 and the formats on the Pareto front, in both modes: 4 depths x 3 keys =
+    # 12 trials per length. No depth 100%: there SmolLM2 fails with fp16 too
+    # (docs/accuracy_notes.md), so it would only dilute the differences between caches.
+    formats_passkey_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    formats_passkey_long_lengths: tuple[int, ...] = (8192,)
+    formats_passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+    formats_passkey_trials: int = 3
 
 
 def _spec_key(s: CacheSpec) -> str:
-    return s.name if s.name == "fp16" else f"{s.name}/G{s.group_size}/R{s.residual_length}"
+    """The task id's part naming a cache, e.g. "kivi2/G32/R128/S8/rot=both" (sinks and rotation
+    only where set, so the ids of the caches without them are those of older results files)."""
+    if s.name == "fp16":
+        return s.name
+    key = f"{s.name}/G{s.group_size}/R{s.residual_length}"
+    if s.sinks:
+        key += f"/S{s.sinks}"
+    if s.rotation != "none":
+        key += f"/rot={s.rotation}"
+    return key
+
+
+def _ppl_tasks(specs, protocol: str) -> list[dict]:
+    """One perplexity task per spec; simulated ones at R=0 (no residual window there)."""
+    if protocol == "simulated":
+        specs = [dataclasses.replace(s, residual_length=0) for s in specs]
+    short = "stream" if protocol == "streaming" else "sim"
+    return [
+        {"id": f"{short}:{_spec_key(s)}", "kind": "ppl", "protocol": protocol, "spec": s}
+        for s in specs
+    ]
+
+
+def _formats_passkey_tasks(settings: GridSettings, lengths, batch_size, suffix: str) -> list:
+    """Passkey of fp16 and the Pareto front of FORMAT_ROWS (resolved when the task runs, from
+    the streaming results before it: `formats_passkey_specs`), one task per mode."""
+    from models.eval.passkey import MODES
+
+    return [
+        {
+            "id": f"passkey:formats{suffix}:{mode}",
+            "kind": "passkey",
+            "set": "formats",
+            "mode": mode,
+            "lengths": lengths,
+            "depths": settings.formats_passkey_depths,
+            "trials": settings.formats_passkey_trials,
+            "batch_size": batch_size,
+        }
+        for mode in MODES
+    ]
 
 
 def plan(settings: GridSettings) -> list[dict]:
     """The tasks in priority order; each has a unique "id"."""
     tasks: list[dict] = [{"id": "keys", "kind": "keys"}]
-    for s in CORE:
-        tasks.append(
-            {"id": f"stream:{_spec_key(s)}", "kind": "ppl", "protocol": "streaming", "spec": s}
-        )
-    for s in CORE:
-        s0 = dataclasses.replace(s, residual_length=0)
-        tasks.append(
-            {"id": f"sim:{_spec_key(s0)}", "kind": "ppl", "protocol": "simulated", "spec": s0}
-        )
+    tasks += _ppl_tasks(CORE, "streaming")
+    tasks += _ppl_tasks(CORE, "simulated")
     tasks.append(
         {
             "id": "passkey:short",
@@ -83,26 +147,14 @@ def plan(settings: GridSettings) -> list[dict]:
             "depths": settings.passkey_depths,
         }
     )
-    for name in ("kivi2", "kivi4"):
-        for g in GROUPS:
-            for r in RESIDUALS:
-                if r % g:
-                    continue
-                s = CacheSpec(name, g, r)
-                tasks.append(
-                    {
-                        "id": f"stream:{_spec_key(s)}",
-                        "kind": "ppl",
-                        "protocol": "streaming",
-                        "spec": s,
-                    }
-                )
-    for name in ("kivi2", "kivi4"):
-        for g in GROUPS:
-            s = CacheSpec(name, g, 0)
-            tasks.append(
-                {"id": f"sim:{_spec_key(s)}", "kind": "ppl", "protocol": "simulated", "spec": s}
-            )
+    tasks += _ppl_tasks(FORMATS, "streaming")
+    tasks += _ppl_tasks(FORMATS, "simulated")
+    tasks += _formats_passkey_tasks(settings, settings.formats_passkey_lengths, None, "")
+    grid = [CacheSpec(n, g, r) for n in ("kivi2", "kivi4") for g in GROUPS for r in RESIDUALS]
+    tasks += _ppl_tasks([s for s in grid if s.residual_length % s.group_size == 0], "streaming")
+    tasks += _ppl_tasks(
+        [CacheSpec(n, g, 0) for n in ("kivi2", "kivi4") for g in GROUPS], "simulated"
+    )
     tasks.append(
         {
             "id": "passkey:long",
@@ -112,12 +164,63 @@ def plan(settings: GridSettings) -> list[dict]:
             "batch_size": settings.passkey_long_batch,
         }
     )
+    tasks += _formats_passkey_tasks(
+        settings, settings.formats_passkey_long_lengths, settings.passkey_long_batch, "-long"
+    )
     seen, out = set(), []
     for t in tasks:
         if t["id"] not in seen:
             seen.add(t["id"])
             out.append(t)
     return out
+
+
+def pareto_front(points) -> list:
+    """The points no other point beats: (bits, perplexity, ...) tuples, lower is better on
+    both. A point is beaten by one no worse on both and better on one; equal points (ties on
+    both) are all kept, of two with the same bits only the lower perplexity. Returns the front
+    in order of bits (then perplexity); entries after the first two ride along."""
+    pts = sorted(points, key=lambda p: (p[0], p[1]))
+    front, best = [], math.inf
+    for p in pts:
+        # Sorted by bits: p is beaten iff an earlier point (bits <= p's) has lower perplexity,
+        # or the same perplexity at fewer bits.
+        if p[1] < best or (
+            p[1] == best and front and front[-1][0] == p[0] and front[-1][1] == p[1]
+        ):
+            front.append(p)
+            best = p[1]
+    return front
+
+
+def _spec_of(r: dict) -> CacheSpec:
+    """The CacheSpec of a record or passkey result (older ones: no sinks, no rotation)."""
+    if r["cache"] == "fp16":
+        return CacheSpec("fp16")
+    return CacheSpec(
+        r["cache"],
+        r["group_size"],
+        r["residual_length"],
+        r.get("sinks") or 0,
+        r.get("rotation") or "none",
+    )
+
+
+def formats_passkey_specs(records: list[dict]) -> list[CacheSpec]:
+    """The caches of the formats passkey tasks: those an earlier formats passkey task ran (so
+    every mode and length runs the same ones), else fp16 and the Pareto front (streaming
+    perplexity against bits) of the FORMAT_ROWS measured in `records`; [] if none is."""
+    for r in records:
+        if r.get("kind") == "passkey" and r.get("set") == "formats" and r.get("results"):
+            return [_spec_of(x) for x in r["results"]]
+    points = []
+    for spec in (s for s in FORMAT_ROWS if s.name != "fp16"):
+        rec = _find_rec(_ppl_recs(records, "streaming"), spec)
+        if rec is not None:
+            points.append((rec["bits_per_element"], rec["ppl"], spec))
+    if not points:
+        return []
+    return [CacheSpec("fp16"), *(p[2] for p in pareto_front(points))]
 
 
 def environment() -> dict:
@@ -250,17 +353,26 @@ def run_grid(
                     )
                 )
             else:
+                specs = PASSKEY_CACHES
+                if t.get("set") == "formats":
+                    specs = formats_passkey_specs(read_results(path))
+                    if not specs:
+                        log(f"task {t['id']} needs the formats' streaming results; not run")
+                        continue
+                    rec["set"] = "formats"
+                rec["mode"] = t.get("mode", "prefill")
                 rec["results"] = passkey.evaluate_passkey(
                     params,
                     config,
                     tokenizer,
-                    PASSKEY_CACHES,
+                    specs,  # CacheSpecs: each cache with its own sinks and rotation
                     lengths=t["lengths"],
                     depths=t["depths"],
-                    trials=settings.passkey_trials,
+                    trials=t.get("trials", settings.passkey_trials),
                     max_positions=config.max_position_embeddings,
                     on_cell=lambda n, d: log(f"  passkey cell {n} {d}"),
                     batch_size=t.get("batch_size"),
+                    mode=rec["mode"],
                 )
         except ValueError as e:  # a config the model cannot take (e.g. G > head_dim)
             rec["error"] = str(e)
@@ -288,9 +400,17 @@ def _describe_loose(spec: CacheSpec) -> dict:
         "cache": spec.name,
         "group_size": spec.group_size,
         "residual_length": spec.residual_length,
+        "sinks": spec.sinks,
+        "rotation": spec.rotation,
     }
     try:
-        cfg = kivi_jax.cache_config(spec.name, spec.group_size, spec.residual_length)
+        cfg = kivi_jax.cache_config(
+            spec.name,
+            spec.group_size,
+            spec.residual_length,
+            sinks=spec.sinks,
+            rotation=spec.rotation,
+        )
     except ValueError:
         return base
     if cfg is not None:
@@ -312,23 +432,54 @@ def _fmt(x, nd=2):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _sinks(r: dict) -> int:
+    return r.get("sinks") or 0  # records written before sinks existed: none
+
+
+def _rotation(r: dict) -> str:
+    return r.get("rotation") or "none"
+
+
+def _variant(r: dict) -> str:
+    """A record's sinks and rotation where set, e.g. " S8 rot=both" ("" for a plain cache)."""
+    out = f" S{_sinks(r)}" if _sinks(r) else ""
+    return out + (f" rot={_rotation(r)}" if _rotation(r) != "none" else "")
+
+
 def _label(r: dict) -> str:
     if r["cache"] == "fp16":
         return "fp16"
-    return f"{r['cache']} G{r['group_size']} R{r['residual_length']}"
+    return f"{r['cache']} G{r['group_size']} R{r['residual_length']}{_variant(r)}"
+
+
+def _passkey_label(r: dict) -> str:
+    mode = r.get("mode") or "prefill"
+    return _label(r) + ("" if mode == "prefill" else f", {mode}")
+
+
+def _is_format(r: dict) -> bool:
+    """A record of one of FORMATS (at any R: the simulated ones run at R=0)."""
+    return any(_matches(r, s.name, s.group_size, None, s.sinks, s.rotation) for s in FORMATS)
+
+
+# (has sinks, is rotated) -> the marker of its points in plot_ppl; None: the protocol's.
+_VARIANT_MARKERS = {(False, False): None, (True, False): "^", (False, True): "D", (True, True): "*"}
 
 
 def plot_ppl(records: list[dict], out: Path) -> None:
+    """docs/accuracy_ppl_bits.png: perplexity against bits per element, every cache both
+    protocols, the KIVI-2 and format points labeled, the streaming Pareto front as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     markers = {"streaming": "o", "simulated": "s"}
     names = [n for n in _NAME_ORDER if n != "fp16"]
-    colors = {n: f"C{i}" for i, n in enumerate(names)}
-    seen = set()
+    cmap = plt.get_cmap("tab20")
+    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    seen, variants = set(), set()
     for proto, marker in markers.items():
         rs = [r for r in records if r.get("protocol") == proto and "ppl" in r]
         for r in rs:
@@ -343,27 +494,52 @@ def plot_ppl(records: list[dict], out: Path) -> None:
                 continue
             label = r["cache"] if r["cache"] not in seen else None
             seen.add(r["cache"])
+            # Sinks and rotation by shape (the fill still tells the protocol apart).
+            shape = _VARIANT_MARKERS[(_sinks(r) > 0, _rotation(r) != "none")] or marker
+            variants.add(shape)
             ax.scatter(
                 r["bits_per_element"],
                 r["ppl"],
-                marker=marker,
+                marker=shape,
                 color=colors.get(r["cache"], "grey"),
                 s=36,
                 alpha=0.85,
                 label=label,
                 facecolors="none" if proto == "simulated" else None,
             )
-            if r["cache"] == "kivi2":
-                tag = f"G{r['group_size']}" + (
-                    f" R{r['residual_length']}" if proto == "streaming" else " sim"
-                )
+            if r["cache"] == "kivi2" or _is_format(r):
+                tag = "" if r["cache"] == "kivi2" else f"{r['cache']} "
+                tag += f"G{r['group_size']}" + _variant(r)
+                tag += f" R{r['residual_length']}" if proto == "streaming" else " sim"
                 ax.annotate(
                     tag,
                     (r["bits_per_element"], r["ppl"]),
-                    fontsize=6.5,
+                    fontsize=6,
                     xytext=(5, -2),
                     textcoords="offset points",
                 )
+    front = pareto_front(
+        [
+            (r["bits_per_element"], r["ppl"])
+            for r in records
+            if r.get("protocol") == "streaming" and "ppl" in r and r["cache"] != "fp16"
+        ]
+    )
+    for key, shape in _VARIANT_MARKERS.items():
+        if shape in variants:
+            what = " and ".join(w for w, on in zip(("sinks", "rotation"), key, strict=True) if on)
+            ax.scatter([], [], marker=shape, color="grey", s=36, label=f"with {what}")
+    if front:
+        ax.plot(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            "-",
+            color="k",
+            lw=1.2,
+            alpha=0.6,
+            zorder=0,
+            label="Pareto front, streaming",
+        )
     ax.set_xlabel("bits per cached K/V element (scales included; fp16 = 16, drawn as lines)")
     ax.set_ylabel("perplexity (pydoc)")
     ax.set_yscale("log")
@@ -377,7 +553,7 @@ def plot_ppl(records: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def plot_passkey(results: list[dict], out: Path) -> None:
+def plot_passkey(results: list[dict], out: Path, title: str = "per cache") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -398,7 +574,7 @@ def plot_passkey(results: list[dict], out: Path) -> None:
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{int(d * 100)}%" for d in depths])
-        ax.set_title(f"{_label(res)}: {res['accuracy']:.2f}", fontsize=9)
+        ax.set_title(f"{_passkey_label(res)}: {res['accuracy']:.2f}", fontsize=9)
         ax.set_xlabel("prompt length (tokens)", fontsize=8)
         ax.set_ylabel("needle depth", fontsize=8)
         for (i, j), a in np.ndenumerate(grid):
@@ -407,7 +583,7 @@ def plot_passkey(results: list[dict], out: Path) -> None:
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
-    fig.suptitle("Passkey retrieval accuracy (greedy) per cache")
+    fig.suptitle(f"Passkey retrieval accuracy (greedy) {title}")
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
@@ -458,6 +634,8 @@ def write_report(
     stream = [r for r in ppl_recs if r.get("protocol") == "streaming"]
     sim = [r for r in ppl_recs if r.get("protocol") == "simulated"]
     passkeys = [r for r in records if r["kind"] == "passkey" and "results" in r]
+    fmt_passkeys = [r for r in passkeys if r.get("set") == "formats"]
+    passkeys = [r for r in passkeys if r.get("set") != "formats"]
     keys = next((r for r in records if r["kind"] == "keys" and "k" in r), None)
     env = dict(records[0]) if records else {}
     m = re.fullmatch(r"(.*), (\d+\.\d+\.\d+)", env.get("machine", ""))
@@ -499,9 +677,15 @@ def write_report(
         lines += [notes.read_text().rstrip(), ""]
     lines += _observations(stream, sim)
     lines += _ppl_tables(stream, sim)
+    lines += _formats_section(stream, sim, fmt_passkeys)
     for path in extra:
         lines += _extra_table(read_results(path), Path(path).name)
     lines += _passkey_tables(passkeys)
+    lines += _passkey_tables(
+        fmt_passkeys,
+        "Passkey retrieval of the formats on the Pareto front",
+        "accuracy_passkey_formats.png",
+    )
     lines += _memory_section()
     if keys is not None:
         lines += [
@@ -526,6 +710,11 @@ def write_report(
     if passkeys:
         merged = _merge_passkey(passkeys)
         plot_passkey(merged, docs / "accuracy_passkey.png")
+    if fmt_passkeys:
+        merged = _merge_passkey(fmt_passkeys)
+        plot_passkey(
+            merged, docs / "accuracy_passkey_formats.png", "of the formats on the Pareto front"
+        )
     lines += [
         "## Checking a model of your own",
         "",
@@ -588,13 +777,18 @@ _NAME_ORDER = (
     "pertoken2",
     "valchannel4",
     "valchannel2",
+    "fp8",
+    "nvfp4",
+    "mxfp4",
 )
+_ROTATIONS = ("none", "keys", "values", "both")
 
 
 def _order(r):
     name = r.get("cache", "")
     idx = _NAME_ORDER.index(name) if name in _NAME_ORDER else len(_NAME_ORDER)
-    return (idx, r.get("group_size") or 0, r.get("residual_length") or 0)
+    rot = _ROTATIONS.index(_rotation(r)) if _rotation(r) in _ROTATIONS else len(_ROTATIONS)
+    return (idx, r.get("group_size") or 0, r.get("residual_length") or 0, _sinks(r), rot)
 
 
 def _ppl_table(recs, base: float | None) -> list[str]:
@@ -611,14 +805,15 @@ def _row(r: dict, base: float | None) -> str:
     res = "-" if r["cache"] == "fp16" else r.get("residual_length")
     if r.get("protocol") == "simulated" and r["cache"] != "fp16":
         res = "n/a"
+    cache = r["cache"] + _variant(r)
     if "error" in r:
         return (
-            f"| {r['cache']} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
+            f"| {cache} | {g} | {res} | {_fmt(r.get('bits_per_element'))} | "
             f"not run: {r['error'].split(' (')[0]} | | | |"
         )
     rel = "" if base is None else f"{(r['ppl'] / base - 1) * 100:+.1f}%"
     return (
-        f"| {r['cache']} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
+        f"| {cache} | {g} | {res} | {_fmt(r['bits_per_element'])} | {r['ppl']:.3f} | "
         f"{rel} | {r['n_tokens']} | {r['seconds']:.0f} |"
     )
 
@@ -628,7 +823,7 @@ def _merge_passkey(passkeys: list[dict]) -> list[dict]:
     merged: dict[str, dict] = {}
     for task in passkeys:
         for res in task["results"]:
-            key = _label(res)
+            key = _passkey_label(res)
             m = merged.setdefault(key, {**res, "cells": [], "answers": []})
             m["cells"] = m["cells"] + res["cells"]
             m["answers"] = m["answers"] + res["answers"]
@@ -637,14 +832,16 @@ def _merge_passkey(passkeys: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def _passkey_tables(passkeys: list[dict]) -> list[str]:
+def _passkey_tables(
+    passkeys: list[dict], title: str = "Passkey retrieval", png: str = "accuracy_passkey.png"
+) -> list[str]:
     if not passkeys:
         return []
     merged = _merge_passkey(passkeys)
     r0 = passkeys[0]["results"][0]
     lengths = sorted({c["length"] for m in merged for c in m["cells"]})
     out = [
-        "## Passkey retrieval",
+        f"## {title}",
         "",
         f"Greedy, {r0['trials']} keys per cell (the same keys for every cache, seed "
         f"{r0['seed']}), chat template {'on' if r0['chat_template'] else 'off'}, "
@@ -660,7 +857,7 @@ def _passkey_tables(passkeys: list[dict]) -> list[str]:
         + ". White cells in the plot were not run. Accuracy per length (mean over the depths "
         "run at that length, so a column without depth 100% is not comparable to one with it):",
         "",
-        "![passkey accuracy](accuracy_passkey.png)",
+        f"![passkey accuracy]({png})",
         "",
         "| cache | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | all |",
         "|---|" + "---:|" * (len(lengths) + 1),
@@ -670,20 +867,147 @@ def _passkey_tables(passkeys: list[dict]) -> list[str]:
         for n in lengths:
             cs = [c["accuracy"] for c in m["cells"] if c["length"] == n]
             accs.append(_fmt(float(np.mean(cs)) if cs else None))
-        out.append(f"| {_label(m)} | " + " | ".join(accs) + f" | {m['accuracy']:.2f} |")
+        out.append(f"| {_passkey_label(m)} | " + " | ".join(accs) + f" | {m['accuracy']:.2f} |")
     out.append("")
     return out
 
 
-def _find(recs: list[dict], name: str, g: int | None = 32, r: int | None = 128) -> float | None:
+def _matches(x: dict, name: str, g: int | None, r: int | None, sinks: int, rotation: str) -> bool:
+    """Whether record x is of cache `name` with G=g, R=r (None: any), the sinks and rotation
+    (a record without the fields, from before they existed: no sinks, no rotation)."""
+    if x.get("cache") != name:
+        return False
+    if name == "fp16":
+        return True
+    return (
+        x.get("group_size") == g
+        and (r is None or x.get("residual_length") == r)
+        and _sinks(x) == sinks
+        and _rotation(x) == rotation
+    )
+
+
+def _find(
+    recs: list[dict],
+    name: str,
+    g: int | None = 32,
+    r: int | None = 128,
+    sinks: int = 0,
+    rotation: str = "none",
+) -> float | None:
     for x in recs:
-        if "ppl" not in x or x["cache"] != name:
-            continue
-        if name == "fp16" or (
-            x.get("group_size") == g and (r is None or x.get("residual_length") == r)
-        ):
+        if "ppl" in x and _matches(x, name, g, r, sinks, rotation):
             return x["ppl"]
     return None
+
+
+def _find_rec(recs: list[dict], spec: CacheSpec, any_residual: bool = False) -> dict | None:
+    """The first record of `spec` with a perplexity (any_residual: whatever its R)."""
+    r = None if any_residual else spec.residual_length
+    for x in recs:
+        if "ppl" in x and _matches(x, spec.name, spec.group_size, r, spec.sinks, spec.rotation):
+            return x
+    return None
+
+
+def _ppl_recs(records: list[dict], protocol: str) -> list[dict]:
+    return [r for r in records if r.get("kind") == "ppl" and r.get("protocol") == protocol]
+
+
+def _passkey_count(passkeys: list[dict], spec: CacheSpec, mode: str) -> tuple[int, int] | None:
+    """(keys found, trials) of `spec` over every formats passkey task of `mode`, or None."""
+    found = total = 0
+    for task in passkeys:
+        for res in task["results"]:
+            if (res.get("mode") or "prefill") != mode or _spec_of(res) != spec:
+                continue
+            if res.get("answers"):
+                found += sum(bool(a["correct"]) for a in res["answers"])
+                total += len(res["answers"])
+            else:
+                found += sum(round(c["accuracy"] * res["trials"]) for c in res["cells"])
+                total += len(res["cells"]) * res["trials"]
+    return (found, total) if total else None
+
+
+def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) -> list[str]:
+    """The Formats table (FORMAT_ROWS), the Pareto front and the best cache at 3 and 2.5 bits."""
+    from models.eval.passkey import MODES
+
+    base = _find(stream, "fp16")
+    rows, points = [], []
+    in_order = sorted(FORMAT_ROWS, key=lambda s: _order({"cache": s.name, **vars(s)}))
+    for spec in in_order:
+        st = _find_rec(stream, spec)
+        si = _find_rec(sim, spec, any_residual=True)
+        pk = {mode: _passkey_count(passkeys, spec, mode) for mode in MODES}
+        if st is None and si is None and not any(pk.values()):
+            continue
+        dense = spec.name == "fp16"
+        bits = (st or si or {}).get("bits_per_element")
+        if st is not None and not dense:
+            points.append((st["bits_per_element"], st["ppl"], _label(st)))
+        rel = "-" if st is None or base is None else f"{(st['ppl'] / base - 1) * 100:+.1f}%"
+        rows.append(
+            f"| {spec.name} | {'-' if dense else spec.group_size} | "
+            f"{'-' if dense else spec.sinks} | {'-' if dense else spec.rotation} | "
+            f"{_fmt(bits)} | {_fmt(st and st['ppl'], 3)} | {rel} | {_fmt(si and si['ppl'], 3)} | "
+            + " | ".join("-" if pk[m] is None else f"{pk[m][0]}/{pk[m][1]}" for m in MODES)
+            + " |"
+        )
+    if not rows:
+        return []
+    r0 = next(iter(stream or sim))
+    out = [
+        "## Formats",
+        "",
+        "The element formats, attention sinks and Hadamard rotation of "
+        "[formats.md](formats.md) beside the KIVI caches: streaming perplexity at the grid's "
+        f"P={r0['prefill']}, T={r0['decode']}, {r0['windows']} windows with R=128, simulated "
+        "at R=0; bits per element of the quantized region (codes and scales). Passkey: keys "
+        "found / trials over all lengths and depths of the formats passkey tasks (fp16 and the "
+        "caches on the Pareto front; - where not run), the whole prompt prefilled exactly "
+        '("prefill") or the needle and what follows streamed through the cache ("streamed").',
+        "",
+        "| cache | G | sinks | rotation | bits/elem | streaming ppl | vs fp16 | simulated ppl | "
+        + " | ".join(f"passkey {m}" for m in MODES)
+        + " |",
+        "|---|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(MODES),
+        *rows,
+        "",
+    ]
+    front = pareto_front(points)
+    if front:
+        out.append(
+            "- Pareto front (streaming perplexity against bits; no other row is at most as "
+            "many bits and at most as high a perplexity): "
+            + ", ".join(f"{lab} ({b:.2f} bits, {v:.3f})" for b, v, lab in front)
+            + "."
+        )
+    out += _best_at_budget(stream, base)
+    out.append("")
+    return out
+
+
+def _best_at_budget(stream: list[dict], base: float | None, budgets=(3.0, 2.5)) -> list[str]:
+    """One line per budget: the quantized cache of lowest streaming perplexity within it."""
+    out = []
+    for budget in budgets:
+        fits = [
+            r
+            for r in stream
+            if "ppl" in r and r["cache"] != "fp16" and r["bits_per_element"] <= budget + 1e-9
+        ]
+        if not fits:
+            out.append(f"- Best at <= {budget:.1f} bits per element: none measured.")
+            continue
+        best = min(fits, key=lambda r: r["ppl"])
+        rel = "" if base is None else f", {(best['ppl'] / base - 1) * 100:+.1f}% over fp16"
+        out.append(
+            f"- Best at <= {budget:.1f} bits per element by streaming perplexity: "
+            f"{_label(best)} ({best['bits_per_element']:.2f} bits, {best['ppl']:.3f}{rel})."
+        )
+    return out
 
 
 def _check(claim: str, a: float | None, op: str, b: float | None, an: str, bn: str) -> str:
@@ -845,6 +1169,6 @@ def _extra_table(recs: list[dict], filename: str) -> list[str]:
         "",
         *_ppl_table(recs, base),
     ]
-    got = sorted(((r["cache"], r["ppl"]) for r in recs), key=lambda x: x[1])
+    got = sorted(((r["cache"] + _variant(r), r["ppl"]) for r in recs), key=lambda x: x[1])
     out += ["", "Ordering: " + " < ".join(f"{n} ({v:.2f})" for n, v in got) + ".", ""]
     return out
