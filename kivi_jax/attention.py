@@ -254,6 +254,16 @@ def quantized_region_dense(qg: Array, cache: KiviCache, layer, num_tokens: Array
     return _softmax_attend(qg, k, v, held)
 
 
+def sink_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
+    """Attention over the sinks a row holds below `start` (`cache.quantized_split()`: those at
+    or past it are in the windows), read exactly from their buffers, float32; the kernel
+    skips their stand-in codes."""
+    n = cache.keys.sinks
+    k = cache.keys.sink[layer].astype(jnp.float32)  # [B, Hkv, N, D]
+    v = cache.values.sink[layer].astype(jnp.float32)
+    return _softmax_attend(qg, k, v, jnp.arange(n)[None, :] < start[:, None])
+
+
 def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
     """Attention over positions [start, lengths) of each row (the residual tail), float32;
     start is `cache.quantized_split()`."""
@@ -287,9 +297,10 @@ def kernel_on_cache(
     tuning=None,
     low_precision: bool = False,
     windows=None,
+    skip: int = 0,
 ) -> tuple[Array, Array]:
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
-    lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
+    lse [B, Hq]) of positions [skip, num_tokens) of `layer` (with `windows`, the cache's windows
     too, num_tokens being the rows' lengths, capped at the cache's max_len)."""
     from pallas_kernels import kivi_decode as kernel
 
@@ -313,6 +324,7 @@ def kernel_on_cache(
         low_precision=low_precision,
         windows=windows,
         max_len=cache.max_len if windows else 0,
+        skip=skip,
     )
 
 
@@ -323,10 +335,10 @@ def _kivi_pallas(
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
-    if not cache.config.plain_kivi:
+    if not cache.config.kernel_layout:
         raise NotImplementedError(
-            "the Pallas kernel needs KIVI axes (channel keys, token values), integer codes and "
-            f"no sinks, got {cache.config}"
+            "the Pallas kernel needs KIVI axes (channel keys, token values) and integer codes, "
+            f"got {cache.config}"
         )
     if not interpret and not pallas_available():
         raise NotImplementedError(
@@ -343,18 +355,21 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
         windows=windows,
+        skip=cache.keys.sinks,
     )
     finish = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
+    m = cache.quantized_split()
+    sinks = [sink_attention(qg, cache, layer, m)] if cache.keys.sinks else []
     if cache.windows_aligned and cache.keys.window % 64 == 0:
         # One launch: the kernel attends the windows too (where they fit its shared memory).
         try:
             o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
-            return finish(*_settled(o, lse, interpret))
+            whole = finish(*_settled(o, lse, interpret))
+            return merge_partials([whole, *sinks]) if sinks else whole
         except NotImplementedError:
             pass
-    m = cache.quantized_split()
     main = finish(*_settled(*call(m), interpret))
-    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+    return merge_partials([main, tail_attention(qg, cache, layer, m), *sinks])
 
 
 def _settled(o, lse, interpret):
@@ -380,7 +395,8 @@ def _kernel_applies(q: Array, cache: KiviCache) -> bool:
     fp16 scales (what the kernel reads); finer limits raise NotImplementedError there."""
     return (
         pallas_available()
-        and cache.config.plain_kivi
+        and cache.config.kernel_layout
+        and (cache.seq_axis is None or not cache.config.sinks)
         and cache.config.scale_dtype == "float16"
         and q.dtype in (jnp.bfloat16, jnp.float16)
     )

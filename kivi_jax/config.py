@@ -117,10 +117,15 @@ class KiviConfig:
         return self.key_axis == "channel" and self.value_axis == "token"
 
     @property
+    def kernel_layout(self) -> bool:
+        """KIVI's axes and integer codes: what the Pallas kernel reads (sinks are attended
+        beside it, a rotation around it: q before, the output after)."""
+        return self.is_kivi and self.key_format == self.value_format == "int"
+
+    @property
     def plain_kivi(self) -> bool:
-        """KIVI's axes, integer codes and no sinks: the layout the Pallas kernel and the folded
-        form read (a rotation is applied around them, to q and the output)."""
-        return self.is_kivi and self.key_format == self.value_format == "int" and not self.sinks
+        """The kernel's layout and no sinks: what the folded form reads."""
+        return self.kernel_layout and not self.sinks
 
     @property
     def rotates_keys(self) -> bool:

@@ -282,9 +282,10 @@ def interpreter(detect_races: bool = True):
     return plgpu.InterpretGPUParams(detect_races=detect_races)
 
 
-def run_case(case: Case, seed: int, interpret):
+def run_case(case: Case, seed: int, interpret, skip: int = 0):
     """The kernel on `case` (interpret: the GPU interpreter's params or True; False: natively)
-    against the twin within the case's tolerance; the interpreter's race detector clean."""
+    against the twin within the case's tolerance; the interpreter's race detector clean.
+    skip: positions [0, skip) not attended (a cache's sinks)."""
     cache = case_cache(case, seed)
     q = make_q(seed + 1, case.B, case.Hq, case.D, case.dtype)
     nt = jnp.asarray(case.lengths, jnp.int32)
@@ -298,6 +299,7 @@ def run_case(case: Case, seed: int, interpret):
         tuning=case.tuning,
         interpret=interpret,
         windows=windows,
+        skip=skip,
     )
     o, lse = jax.block_until_ready((o, lse))
     if interpret is not False:
@@ -313,6 +315,7 @@ def run_case(case: Case, seed: int, interpret):
         **case.kw,
         **twin_flags(case.tuning, case.G, case.D),
         windows=windows,
+        skip=skip,
     )
     compare(o, lse, ro, rlse, tol_for(case.tuning, case.G, case.D, case.dtype))
 
@@ -335,7 +338,7 @@ def splat_register_casts(module_asm: str) -> list[str]:
     return bad
 
 
-def cross_lower(case: Case) -> list[str]:
+def cross_lower(case: Case, skip: int = 0) -> list[str]:
     """`kivi_decode` on `case` through the real sm_90 lowering (on any machine); returns the
     Mosaic GPU modules lowered (their assembly), none with splat register casts."""
     cache = case_cache(case, 0)
@@ -350,7 +353,7 @@ def cross_lower(case: Case) -> list[str]:
     windows = case_windows(case, 0) or ()
 
     def f(q, nt, layer, *arrays):
-        return kivi_decode(q, *arrays[:6], nt, layer, **kw, windows=arrays[6:] or None)
+        return kivi_decode(q, *arrays[:6], nt, layer, **kw, windows=arrays[6:] or None, skip=skip)
 
     modules = []
     serde = mosaic_core._run_serde_pass

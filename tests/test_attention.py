@@ -306,7 +306,14 @@ def test_merge_partials_equals_attention_over_the_union():
 
 
 @pytest.mark.parametrize(
-    "config", [kj.KiviConfig(2, 2, 64, 128), kj.KiviConfig(4, 2, 32, 0)], ids=str
+    "config",
+    [
+        kj.KiviConfig(2, 2, 64, 128),
+        kj.KiviConfig(4, 2, 32, 0),
+        kj.KiviConfig(2, 2, 64, 128, sinks=8, rotation="both"),  # best3's knobs
+        kj.KiviConfig(2, 2, 32, 0, sinks=40),  # sinks past a group, no windows
+    ],
+    ids=str,
 )
 def test_pallas_kernel_through_decode_attention_matches_reference(config):
     """The dispatch glue (split point, tail, log-sum-exp merge) around the fused kernel: under

@@ -70,6 +70,12 @@ def test_window_launches_cross_lower_for_sm90(case):
     cross_lower(case)
 
 
+@pytest.mark.parametrize("case", [PRODUCTION[0], GPU_WINDOW_CASES[0]], ids=str)
+def test_skipped_prefix_cross_lowers_for_sm90(case):
+    """Sinks: the first positions masked and the steps before them not run, natively."""
+    cross_lower(case, skip=8)
+
+
 def test_window_gating():
     """choose_tuning with windows: the launch sizes as without them; where the windows' chunk
     buffers fit (`windows_fit`), the q prologue in the kernel, and a one-wave launch of one

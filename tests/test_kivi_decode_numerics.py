@@ -66,6 +66,14 @@ def test_interpret_windows_match_reference(case):
     run_case(case, 5, interpreter())
 
 
+@pytest.mark.parametrize("skip", [40, 300])
+def test_interpret_skip_matches_reference(skip):
+    """Positions [0, skip) left out (a cache's sinks, attended from their own buffer): within
+    the first step, and past whole steps; with the windows in the kernel and without."""
+    run_case(WINDOW_CASES[0], 7, interpreter(), skip=skip)
+    run_case(CASES[0], 8, interpreter(), skip=skip)
+
+
 def test_windows_cap_the_lengths_at_max_len():
     """An overflowed row (length past the cache's max_len) attends its first max_len tokens:
     the kernel's cap gives the bits of lengths clamped before the call, and the twin's."""

@@ -123,6 +123,9 @@ class Plan:
     window: int = 0
     window_dtype: str = "bfloat16"
     length_cap: int = 0
+    # the first `skip` positions of every row are not attended (a cache's sinks: exact in a
+    # buffer of their own, their codes stand-ins)
+    skip: int = 0
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)

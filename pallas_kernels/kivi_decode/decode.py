@@ -114,6 +114,12 @@ def check_inputs(
 WINDOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _check_skip(skip) -> int:
+    if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+        raise ValueError(f"skip must be a non-negative int, got {skip!r}")
+    return skip
+
+
 def check_windows(windows, L, B, Hkv, D) -> int:
     """Validates the residual windows (k_window [L, B, Hkv, W, D], v_window [L, B, Hkv, D, W],
     one 16-bit dtype, W a positive multiple of 64); returns W."""
@@ -166,6 +172,7 @@ def kernel_call(
     interpret,
     windows=None,
     max_len=0,
+    skip=0,
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
@@ -190,6 +197,7 @@ def kernel_call(
         window=W,
         window_dtype=jnp.dtype(windows[0].dtype).name if W else "bfloat16",
         length_cap=max_len if W else 0,
+        skip=skip,
     )
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
@@ -222,6 +230,7 @@ def kernel_call(
         "tuning",
         "interpret",
         "max_len",
+        "skip",
     ),
 )
 def _kivi_decode(
@@ -232,6 +241,7 @@ def _kivi_decode(
     windows,
     *,
     max_len,
+    skip,
     key_bits,
     value_bits,
     group_size,
@@ -252,6 +262,7 @@ def _kivi_decode(
         interpret=interpret,
         windows=windows,
         max_len=max_len,
+        skip=skip,
     )
     o, lse = kern(*args)
     if plan.cluster:  # merged in the kernel: [B, Hkv, D, NP]
@@ -286,6 +297,7 @@ def kivi_decode(
     low_precision: bool = False,
     windows=None,
     max_len: int = 0,
+    skip: int = 0,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -307,6 +319,8 @@ def kivi_decode(
     the whole row, num_tokens[b] being its length n: positions [0, n - W) from the codes and
     the min(n, W) filled slots of the windows, in one launch (docs/kernel.md); `max_len` > 0
     caps n (the cache's capacity: an overflowed row attends its first max_len tokens).
+    `skip`: positions [0, skip) are not attended (a cache's sinks, which the caller attends
+    from their own buffer).
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
     shared memory beside the default tuning's pipelines.
@@ -374,6 +388,7 @@ def kivi_decode(
         layer,
         None if windows is None else tuple(windows),
         max_len=int(max_len),
+        skip=_check_skip(skip),
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,

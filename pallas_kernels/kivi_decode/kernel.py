@@ -190,6 +190,13 @@ class _Unit:
             0,
             jnp.minimum(P.steps_per_split, P.total_steps - self.first),
         )
+        if P.skip:  # steps wholly before the first attended position are not run, so a split
+            # that runs holds an attended token in its first step (none: a row of n <= skip)
+            split_end = self.first + jnp.minimum(P.steps_per_split, P.total_steps - self.first)
+            self.first = jnp.maximum(self.first, P.skip // TS)
+            self.start = self.first * TS
+            end = jnp.where(self.n > P.skip, split_end - self.first, 0)
+            self.nsteps = jnp.clip(lax.div(self.n - self.start + (TS - 1), jnp.int32(TS)), 0, end)
         # the copies' issuing warp (the pipeline's and dense_bias's): wg % 4, so that a block's
         # W issuing warps sit on different schedulers; one-warpgroup blocks take it from the
         # block index, so that the blocks an SM holds tend to issue from different schedulers
@@ -571,8 +578,8 @@ class _Unit:
         p_s[2 * t + 1, 0:4, :] = x16[:, 4:8].T
 
     def masked(self, xs, tok0):
-        """The scores of the tokens at and past the row's length (ragged rows, padding) at
-        -inf."""
+        """The scores of the tokens at and past the row's length (ragged rows, padding), and
+        before `skip`, at -inf."""
         P = self.plan
         rows = plgpu.broadcasted_iota(jnp.int32, (PLANE, P.NP), 0, layout=WG_LAYOUT)
         if P.pk:  # columns 4-7 of tile t are plane 2t + 1's
@@ -580,7 +587,11 @@ class _Unit:
             tok = lambda t: jnp.where(odd, plane_tokens(2 * t + 1, rows), plane_tokens(2 * t, rows))
         else:
             tok = lambda p: plane_tokens(p, rows)
-        return [jnp.where(tok0 + tok(p) < self.n, x, -jnp.inf) for p, x in enumerate(xs)]
+        if P.skip:  # and before the first attended position (sinks)
+            keep = lambda t: (t < self.n) & (t >= P.skip)
+        else:
+            keep = lambda t: t < self.n
+        return [jnp.where(keep(tok0 + tok(p)), x, -jnp.inf) for p, x in enumerate(xs)]
 
     def step_softmax(self, refs, tok0, carry, kb=None):
         """One step: loads, scores, the softmax update and the value product."""
@@ -590,7 +601,10 @@ class _Unit:
         st = self.scores(v)
         # Only the last step of a row can hold masked tokens: the others skip the compare and
         # select per element (a branch per step instead).
-        st = lax.cond(tok0 + STEP_TOKENS <= self.n, list, lambda xs: self.masked(xs, tok0), st)
+        whole = tok0 + STEP_TOKENS <= self.n
+        if P.skip:  # the first steps hold the skipped positions too
+            whole = whole & (tok0 >= P.skip)
+        st = lax.cond(whole, list, lambda xs: self.masked(xs, tok0), st)
         pre = None
         if P.lgmax:  # the running max over logit + log2 s_t keeps B = P * s_t * c_p small
             pre = self.val_prep(v)  # (pk: per tile)

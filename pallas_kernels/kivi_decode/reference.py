@@ -71,6 +71,7 @@ def kivi_decode_reference(
     fp8_values: bool = False,
     windows=None,
     max_len: int = 0,
+    skip: int = 0,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -118,7 +119,7 @@ def kivi_decode_reference(
     logits = logits + jnp.einsum("bhgd,bhnd->bhng", kz, qs, precision="highest")[..., None]
     logits = logits.reshape(B, Hkv, nq, Tq)
     n = jnp.minimum(jnp.asarray(num_tokens, jnp.int32), Tq)
-    valid = jnp.arange(Tq)[None, :] < n[:, None]  # [B, Tq]
+    valid = (jnp.arange(Tq)[None, :] < n[:, None]) & (jnp.arange(Tq)[None, :] >= skip)  # [B, Tq]
     logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
     mx = logits.max(axis=-1)
     safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
