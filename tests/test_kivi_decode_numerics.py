@@ -74,6 +74,15 @@ def test_interpret_skip_matches_reference(skip):
     run_case(CASES[0], 8, interpreter(), skip=skip)
 
 
+@pytest.mark.parametrize("skip", [-1, 2.0, True])
+def test_a_bad_skip_is_named(skip):
+    case = CASES[0]
+    cache, q = case_cache(case, 2), make_q(3, case.B, case.Hq, case.D, case.dtype)
+    n = jnp.asarray(case.lengths, jnp.int32)
+    with pytest.raises(ValueError, match="skip must be a non-negative int"):
+        kivi_decode(q, *cache, n, 0, **case.kw, interpret=interpreter(), skip=skip)
+
+
 def test_windows_cap_the_lengths_at_max_len():
     """An overflowed row (length past the cache's max_len) attends its first max_len tokens:
     the kernel's cap gives the bits of lengths clamped before the call, and the twin's."""
