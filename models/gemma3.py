@@ -418,7 +418,7 @@ class Gemma3Cache:
         batch: int,
         max_len: int,
         dtype=jnp.bfloat16,
-        group_size: int = 32,
+        group_size: int | None = None,
         residual_length: int = 128,
         per_layer: bool = False,
         sinks: int = 0,
@@ -531,7 +531,7 @@ def cache_memory(
     batch: int,
     max_len: int,
     dtype=jnp.bfloat16,
-    group_size: int = 32,
+    group_size: int | None = None,
     residual_length: int = 128,
 ) -> dict[str, int]:
     """Bytes of a `Gemma3Cache` of these dimensions, without allocating it:
