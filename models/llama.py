@@ -387,6 +387,14 @@ def _chunk_hidden(params, config, tokens, counts, cache, implementation):
     return x, cache.extend(ks, vs, counts)
 
 
+def _check_chunked(tokens: Array, chunk) -> None:
+    """The arguments `prefill_chunked` and `append_chunked` share."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+
+
 def prefill_chunked(
     params: Params,
     config: ModelConfig,
@@ -407,10 +415,7 @@ def prefill_chunked(
     in a `lax.fori_loop`: one compiled chunk step for any S. implementation: that of
     `kivi_jax.attention.chunk_attention`. A chunk of S or more is `prefill` itself.
     """
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+    _check_chunked(tokens, chunk)
     if chunk >= tokens.shape[1]:  # one chunk is the whole prompt: the one-piece prefill
         return prefill(params, config, tokens, lengths, cache)
     return append_chunked(
@@ -432,10 +437,7 @@ def append_chunked(
     what each row of `cache` holds, `chunk` at a time, as `prefill_chunked` does (a chunk of 1
     is decode, teacher-forced). Returns (logits float32 [B, V] at each row's last new token,
     zeros for rows given none, cache)."""
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, S] int32, got shape {tokens.shape}")
+    _check_chunked(tokens, chunk)
     B, S = tokens.shape
     if counts.shape != (B,):
         raise ValueError(f"counts must be [B]={B}, got shape {counts.shape}")
