@@ -210,8 +210,10 @@ def quantized_region_folded(
     """
     if keys.axis != "channel" or values.axis != "token" or not values.transposed:
         raise NotImplementedError("the folded form needs KIVI axes (channel keys, token values)")
-    if keys.fmt != "int" or values.fmt != "int" or keys.sinks or values.sinks:
-        raise NotImplementedError("the folded form reads integer codes without sinks")
+    if keys.fmt != "int" or values.fmt != "int" or keys.sinks or values.sinks or keys.outliers:
+        raise NotImplementedError(
+            "the folded form reads integer codes without sinks or outlier channels"
+        )
     nb, nh, r, d = qg.shape
     tq, g = keys.capacity, keys.group_size
     kc = unpack_tokens(keys.codes[layer], keys.bits, axis=-2).astype(jnp.float32)
@@ -337,8 +339,8 @@ def _kivi_pallas(
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
     if not cache.config.kernel_layout:
         raise NotImplementedError(
-            "the Pallas kernel needs KIVI axes (channel keys, token values) and integer codes, "
-            f"got {cache.config}"
+            "the Pallas kernel needs KIVI axes (channel keys, token values), integer codes and "
+            f"no outlier channels, got {cache.config}"
         )
     if not interpret and not pallas_available():
         raise NotImplementedError(

@@ -42,7 +42,10 @@ from kivi_jax.quant import (
     block_columns,
     cache_slot,
     codes_per_byte,
+    dequantize_codes,
     minmax_quantize,
+    outlier_channels,
+    overlay_outliers,
     pack_tokens,
     swap_bytes,
     swapped_byte,
@@ -150,6 +153,9 @@ class QuantizedStore:
     side values (the FP32 group scale of "nvfp4"; none for "fp8" and "mxfp4").
     The first N positions (sinks) are kept in full precision too, in `sink`; per channel they
     are left out of their group's range (`_exclude_sinks`).
+    Per channel, each group of G tokens may also keep its K channels of widest range in
+    `outlier` (dense-and-sparse, `kivi_jax.quant.outlier_channels`): their codes are written
+    but never read.
     """
 
     # [L, B, Hkv, Tq/P, D]; transposed: [L, B, Hkv, D, Tq/P], blocked [L, B, Hkv, Tq/(64 P), D, 64]
@@ -163,6 +169,8 @@ class QuantizedStore:
     # [L, B, Hkv, W, D] in the model dtype, token p in slot p % W; transposed: [L, B, Hkv, D, W]
     residual: Array
     sink: Array | None  # [L, B, Hkv, N, D] in the model dtype: positions [0, N); None if N = 0
+    outlier: Array | None  # [L, B, Hkv, Tq, K] in the scale dtype: K channels' values; or None
+    outlier_channel: Array | None  # [L, B, Hkv, Tq/G, K] uint8: which channels, per group
     bits: int = dataclasses.field(metadata=static)
     group_size: int = dataclasses.field(metadata=static)
     axis: str = dataclasses.field(metadata=static)
@@ -186,6 +194,11 @@ class QuantizedStore:
     def sinks(self) -> int:
         """N: the leading positions also kept in full precision (`sink`)."""
         return 0 if self.sink is None else self.sink.shape[-2]
+
+    @property
+    def outliers(self) -> int:
+        """K: the channels per group of G tokens kept in `outlier` (0: none)."""
+        return 0 if self.outlier is None else self.outlier.shape[-1]
 
     def _put_sinks(self, layer, b, pos: Array, x: Array, valid: Array) -> Array:
         """The sink buffer with token x [B, H, D] of `layer` stored where valid and pos < N
@@ -254,6 +267,7 @@ class QuantizedStore:
         scale_dtype,
         fmt="int",
         sinks=0,
+        outliers=0,
     ) -> QuantizedStore:
         lbh = (num_layers, batch, kv_heads)
         per = codes_per_byte(bits)
@@ -277,6 +291,10 @@ class QuantizedStore:
                 (*lbh, head_dim, window) if transposed else (*lbh, window, head_dim), dtype
             ),
             sink=jnp.zeros((*lbh, sinks, head_dim), dtype) if sinks else None,
+            outlier=jnp.zeros((*lbh, capacity, outliers), scale_dt) if outliers else None,
+            outlier_channel=(
+                jnp.zeros((*lbh, capacity // group_size, outliers), jnp.uint8) if outliers else None
+            ),
             bits=bits,
             group_size=group_size,
             axis=axis,
@@ -311,6 +329,10 @@ class QuantizedStore:
             minimum=None if self.minimum is None else scale,
             residual=res,
             sink=None if self.sink is None else sink,
+            outlier=None if self.outlier is None else jax.P(*lbh, "cache_seq", None),
+            outlier_channel=(
+                None if self.outlier is None else jax.P(*lbh, "cache_seq_groups", None)
+            ),
         )
 
     # -- scatter helpers: rows, groups or slots pushed out of bounds are dropped (mode="drop"),
@@ -491,12 +513,8 @@ class QuantizedStore:
         g = self.group_size
         xg = x.transpose(0, 1, 3, 2, 4).reshape(nl, nb, nh, n // g, g, d)
         pos = (local + origin).reshape(1, nb, 1, n // g, g, 1)
-        codes, scale, mn = minmax_quantize(
-            self._exclude_sinks(xg, pos),
-            self.bits,
-            axis=-2,
-            scale_dtype=self.scale.dtype,
-        )
+        xg = self._exclude_sinks(xg, pos)
+        codes, scale, mn = minmax_quantize(xg, self.bits, axis=-2, scale_dtype=self.scale.dtype)
         rows, shifts = token_rows(local, self.bits)
         rows = jnp.where(ok, rows, self.packed_len)
         vals = codes.reshape(nl, nb, nh, n, d).transpose(0, 1, 3, 2, 4)  # [L, B, N, H, D]
@@ -505,7 +523,19 @@ class QuantizedStore:
         store = dataclasses.replace(self, codes=self._add_codes(layers, b, rows[None], vals))
         groups = jnp.where(ok[:, ::g], local[:, ::g] // g, self.scale.shape[-2])  # [B, N/G]
         per_group = lambda a: a[..., 0, :].transpose(0, 1, 3, 2, 4)  # [L, B, N/G, H, D]
-        return store._set_scales(layers, b, groups[None], per_group(scale), per_group(mn))
+        store = store._set_scales(layers, b, groups[None], per_group(scale), per_group(mn))
+        if not self.outliers:
+            return store
+        idx, vals = outlier_channels(xg, self.outliers, self.outlier.dtype)
+        tokens = jnp.where(ok, local, self.capacity)[None]  # [1, B, N]
+        vals = vals.reshape(nl, nb, nh, n, -1).transpose(0, 1, 3, 2, 4)  # [L, B, N, H, K]
+        return dataclasses.replace(
+            store,
+            outlier=self.outlier.at[layers, b, :, tokens, :].set(vals, mode="drop"),
+            outlier_channel=self.outlier_channel.at[layers, b, :, groups[None], :].set(
+                idx.transpose(0, 1, 3, 2, 4), mode="drop"
+            ),
+        )
 
     def prefill(self, x: Array, lengths: Array, origin=None) -> QuantizedStore:
         """The canonical store for x [L, B, Hkv, S, D] with rows holding `lengths` tokens; with
@@ -524,18 +554,16 @@ class QuantizedStore:
         nq = self.num_quantized(lengths)
         keep = (t[None, :] < nq[:, None])[None, :, None]  # [1, B, 1, S_pad]
         if self.axis == "channel":
-            codes, scale, mn = minmax_quantize(
-                self._exclude_sinks(
-                    xp.reshape(nl, nb, nh, s_pad // g, g, d), t.reshape(s_pad // g, g, 1)
-                ),
-                self.bits,
-                axis=-2,
-                scale_dtype=self.scale.dtype,
+            xg = self._exclude_sinks(
+                xp.reshape(nl, nb, nh, s_pad // g, g, d), t.reshape(s_pad // g, g, 1)
             )
+            codes, scale, mn = minmax_quantize(xg, self.bits, axis=-2, scale_dtype=self.scale.dtype)
             gkeep = keep[..., ::g, None]
             scale, mn = (jnp.where(gkeep, a[..., 0, :], 0) for a in (scale, mn))
             codes = codes.reshape(nl, nb, nh, s_pad, d)
+            outlier, outlier_channel = self._prefill_outliers(xg, keep, s_pad)
         else:
+            outlier = outlier_channel = None
             codes, scale, mn = formats.encode(
                 self.fmt, xp.reshape(nl, nb, nh, s_pad, d // g, g), self.bits, self.scale.dtype
             )
@@ -588,7 +616,28 @@ class QuantizedStore:
             sink = jnp.where(held, jnp.take(x, jnp.clip(j, 0, s - 1), axis=3), 0)
             sink = sink.astype(self.sink.dtype)
         return dataclasses.replace(
-            self, codes=new_codes, scale=new_scale, minimum=new_min, residual=res, sink=sink
+            self,
+            codes=new_codes,
+            scale=new_scale,
+            minimum=new_min,
+            residual=res,
+            sink=sink,
+            outlier=outlier,
+            outlier_channel=outlier_channel,
+        )
+
+    def _prefill_outliers(self, xg: Array, keep: Array, s_pad: int):
+        """`prefill`'s outlier channels (None without) of channel groups xg [L, B, Hkv, S/G, G,
+        D] whose tokens `keep` [1, B, 1, S] are quantized, in new arrays."""
+        if not self.outliers:
+            return None, None
+        g = self.group_size
+        idx, vals = outlier_channels(xg, self.outliers, self.outlier.dtype)
+        idx = jnp.where(keep[..., ::g, None], idx, 0)
+        vals = jnp.where(keep[..., None], vals.reshape(*vals.shape[:3], s_pad, -1), 0)
+        return (
+            jnp.zeros_like(self.outlier).at[..., :s_pad, :].set(vals),
+            jnp.zeros_like(self.outlier_channel).at[..., : s_pad // g, :].set(idx),
         )
 
     def gather(self, layer, t: Array, lengths: Array) -> Array:
@@ -613,19 +662,16 @@ class QuantizedStore:
         g = self.group_size
         if self.axis == "channel":
             sc, mn = (a[layer, b, :, tc // g, :] for a in (self.scale, self.minimum))
-        elif self.fmt != "int":  # [B, N, H, D/blk], [B, N, H, D/G * aux]
+            deq = dequantize_codes(codes, sc, mn)
+        else:  # [B, N, H, D/blk], [B, N, H, D/G * aux]
             sc, aux = (
                 None if a is None else a[layer, b, :, :, cache_slot(tc)]
                 for a in (self.scale, self.minimum)
             )
             deq = self._decode_tokens(codes, sc, aux)
-        else:
-            sc, mn = (
-                jnp.repeat(a[layer, b, :, :, cache_slot(tc)], g, axis=-1)
-                for a in (self.scale, self.minimum)
-            )
-        if self.fmt == "int":
-            deq = codes.astype(jnp.float32) * sc.astype(jnp.float32) + mn.astype(jnp.float32)
+        if self.outliers:  # [B, N, H, K] each
+            idx = self.outlier_channel[layer, b, :, tc // g, :]
+            deq = overlay_outliers(deq, idx, self.outlier[layer, b, :, tc, :])
         if self.sinks:
             sv = self.sink[layer, b, :, jnp.clip(t, 0, self.sinks - 1)]  # [B, N, H, D]
             deq = self._overlay_sinks(deq, sv, t[..., None, None])
@@ -640,8 +686,8 @@ class QuantizedStore:
         return deq.transpose(0, 2, 1, 3)
 
     def _decode_tokens(self, codes: Array, scale: Array, aux: Array) -> Array:
-        """Float-format tokens: codes [..., D] with their scales [..., D/blk] and side values
-        [..., D/G * aux] -> float32 [..., D]."""
+        """Per-token codes [..., D] with their scales [..., D/blk] and side values
+        [..., D/G * aux] -> float32 [..., D] (`kivi_jax.formats.decode`)."""
         *lead, d = codes.shape
         g = self.group_size
         per_group = lambda a: None if a is None else a.reshape(*lead, d // g, -1)
@@ -662,19 +708,17 @@ class QuantizedStore:
             c = c.swapaxes(-1, -2)  # [B, H, Tq, D]
         g = self.group_size
         t = origin + jnp.arange(self.capacity)
-        if self.fmt != "int":  # [B, H, D/blk, Tq] in the cache order -> [B, H, Tq, D/blk]
+        if self.axis == "channel":  # [B, H, Tq/G, D]
+            per_token = lambda a: jnp.repeat(a[layer], g, axis=-2)
+            x = dequantize_codes(c, per_token(self.scale), per_token(self.minimum))
+        else:  # [B, H, D/blk, Tq] in the cache order -> [B, H, Tq, D/blk]
             token_order = lambda a: (
                 None if a is None else to_cache_order(a[layer], -1).swapaxes(-1, -2)
             )
             x = self._decode_tokens(c, token_order(self.scale), token_order(self.minimum))
-        else:
-            if self.axis == "channel":  # [B, H, Tq/G, D]
-                per_token = lambda a: jnp.repeat(a[layer].astype(jnp.float32), g, axis=-2)
-            else:  # [B, H, D/G, Tq] in the cache order
-                per_token = lambda a: jnp.repeat(
-                    to_cache_order(a[layer].astype(jnp.float32), -1), g, axis=-2
-                ).swapaxes(-1, -2)
-            x = c.astype(jnp.float32) * per_token(self.scale) + per_token(self.minimum)
+        if self.outliers:  # [B, H, Tq, K] each
+            idx = jnp.repeat(self.outlier_channel[layer], g, axis=-2)
+            x = overlay_outliers(x, idx, self.outlier[layer])
         if self.sinks:
             sv = jnp.take(self.sink[layer], jnp.clip(t, 0, self.sinks - 1), axis=2)
             x = self._overlay_sinks(x, sv, t[:, None])
@@ -687,7 +731,10 @@ class QuantizedStore:
     def nbytes(self) -> CacheBytes:
         return CacheBytes(
             codes=self.codes.nbytes,
-            scales=self.scale.nbytes + (0 if self.minimum is None else self.minimum.nbytes),
+            scales=sum(
+                0 if a is None else a.nbytes
+                for a in (self.scale, self.minimum, self.outlier, self.outlier_channel)
+            ),
             residual=self.residual.nbytes + (0 if self.sink is None else self.sink.nbytes),
             metadata=0,
         )
@@ -903,6 +950,7 @@ class KiviCache(_CacheOps):
                 window=max(r, g) if axis == "channel" else r,
                 fmt=getattr(config, f"{side}_format"),
                 sinks=config.sinks,
+                outliers=config.outlier_channels if side == "key" else 0,
                 **common,
             )
 
@@ -1220,22 +1268,31 @@ def cache_config(
     *,
     sinks: int = 0,
     rotation: str = "none",
+    outlier_channels: int = 0,
 ) -> KiviConfig | None:
     """The KiviConfig of a named cache ("kivi2", ...), or None for the dense "fp16" cache.
 
     group_size: None for the name's own (best3: 32, best25: 64), else DEFAULT_GROUP_SIZE; a name
-    that fixes it takes only the same value. `sinks` and `rotation` (`KiviConfig`) apply to every
-    quantized name (a name that sets its own takes only the same value); the dense cache takes
-    neither. Raises ValueError for an unknown name or a conflicting knob."""
+    that fixes it takes only the same value. `sinks`, `rotation` and `outlier_channels`
+    (`KiviConfig`) apply to every quantized name (a name that sets its own takes only the same
+    value); the dense cache takes none. Raises ValueError for an unknown name or a conflicting
+    knob."""
+    knobs = (
+        ("group_size", group_size, None),
+        ("sinks", sinks, 0),
+        ("rotation", rotation, "none"),
+        ("outlier_channels", outlier_channels, 0),
+    )
     if name in DENSE_NAMES:
-        if sinks or rotation != "none":
-            raise ValueError(f"the dense {name!r} cache takes no sinks or rotation")
+        if any(value != unset for key, value, unset in knobs[1:]):
+            raise ValueError(
+                f"the dense {name!r} cache takes no sinks, rotation or outlier channels"
+            )
         return None
     if name not in _NAMED:
         raise ValueError(f"unknown cache name {name!r}; choose one of {', '.join(CACHE_NAMES)}")
     fields = dict(_NAMED[name])
     fields.setdefault("group_size", DEFAULT_GROUP_SIZE)
-    knobs = (("group_size", group_size, None), ("sinks", sinks, 0), ("rotation", rotation, "none"))
     for key, value, unset in knobs:
         if value == unset:
             continue
@@ -1261,12 +1318,20 @@ def make_cache(
     per_layer: bool = False,
     sinks: int = 0,
     rotation: str = "none",
+    outlier_channels: int = 0,
 ) -> KiviCache | DenseCache:
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
     layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
-    reads in place: `per_layer` does not apply to them), with `group_size`, `sinks` and
-    `rotation` as `cache_config` takes them."""
-    config = cache_config(name, group_size, residual_length, sinks=sinks, rotation=rotation)
+    reads in place: `per_layer` does not apply to them), with `group_size`, `sinks`,
+    `rotation` and `outlier_channels` as `cache_config` takes them."""
+    config = cache_config(
+        name,
+        group_size,
+        residual_length,
+        sinks=sinks,
+        rotation=rotation,
+        outlier_channels=outlier_channels,
+    )
     dims = dict(
         num_layers=num_layers,
         batch=batch,

@@ -51,6 +51,14 @@ class KiviConfig:
     key_axis / value_axis: "channel" quantizes along tokens (one scale per channel and token
       group), "token" along channels (one scale per token and channel group). KIVI is
       key_axis="channel", value_axis="token"; the other combinations exist for ablations.
+    key_format / value_format: the element format (`kivi_jax.formats`): "int" (KIVI's), or a
+      float format, per token.
+    sinks: N, the first positions kept in full precision (attention sinks).
+    rotation: "keys", "values" or "both": a Hadamard rotation of the head dim before
+      quantizing (`kivi_jax.rotation`), undone by rotating q and the output.
+    outlier_channels: K, per group of G tokens the K key channels of widest range kept in
+      `scale_dtype` beside the codes (dense-and-sparse; `kivi_jax.quant.outlier_channels`).
+      Integer per-channel keys only.
     """
 
     key_bits: int = 2
@@ -64,6 +72,7 @@ class KiviConfig:
     value_format: str = "int"
     sinks: int = 0
     rotation: str = "none"
+    outlier_channels: int = 0
 
     def __post_init__(self):
         for name in ("key_bits", "value_bits"):
@@ -79,6 +88,15 @@ class KiviConfig:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        k = self.outlier_channels
+        if not is_int(k) or not 0 <= k < 256:  # < head_dim <= 256 (`check_head_dim`)
+            raise ValueError(f"outlier_channels must be a non-negative int < 256, got {k!r}")
+        if k and (self.key_axis != "channel" or self.key_format != "int"):
+            raise ValueError(
+                "outlier_channels keeps key channels of integer per-channel groups: "
+                f"set key_axis='channel' and key_format='int' (got {self.key_axis!r}, "
+                f"{self.key_format!r})"
+            )
         r = self.residual_length
         if not is_int(r) or r < 0 or r % g:
             raise ValueError(
@@ -118,13 +136,15 @@ class KiviConfig:
 
     @property
     def kernel_layout(self) -> bool:
-        """KIVI's axes and integer codes: what the Pallas kernel reads (sinks are attended
-        beside it, a rotation around it: q before, the output after)."""
-        return self.is_kivi and self.key_format == self.value_format == "int"
+        """KIVI's axes and integer codes, no outlier channels: what the Pallas kernel reads
+        (sinks are attended beside it, a rotation around it: q before, the output after)."""
+        ints = self.key_format == self.value_format == "int"
+        return self.is_kivi and ints and not self.outlier_channels
 
     @property
     def plain_kivi(self) -> bool:
-        """The kernel's layout and no sinks: what the folded form reads."""
+        """The kernel's layout (no outlier channels) and no sinks: what the folded form
+        reads."""
         return self.kernel_layout and not self.sinks
 
     @property
@@ -147,13 +167,27 @@ class KiviConfig:
             raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
         if self.rotation != "none" and head_dim & (head_dim - 1):
             raise ValueError(f"rotation needs a power-of-two head_dim, got {head_dim}")
+        k = self.outlier_channels
+        if k and not k < head_dim <= 256:  # channel indices are stored as uint8
+            raise ValueError(f"outlier_channels={k} needs head_dim in ({k}, 256], got {head_dim}")
 
     def bits_per_element(self, head_dim: int | None = None) -> float:
         """Average stored bits per cached K/V element in the quantized region: codes, scales,
-        minimums and every side value per group. The fixed full-precision buffers (the
-        residual windows and the sinks, the same size at any context) are not in it: they are
-        in `KiviCache.nbytes()`. `head_dim` is accepted for the signature's history."""
+        minimums and every side value per group, outlier channels included (which is why it
+        needs `head_dim` when there are any). The fixed full-precision buffers (the residual
+        windows and the sinks, the same size at any context) are not in it: they are in
+        `KiviCache.nbytes()`."""
         g, s = self.group_size, self.scale_dtype
         k = formats.group_bits(self.key_format, self.key_bits, g, s)
         v = formats.group_bits(self.value_format, self.value_bits, g, s)
+        if self.outlier_channels:
+            if head_dim is None:
+                raise ValueError(
+                    "bits_per_element of a config with outlier channels needs head_dim"
+                )
+            self.check_head_dim(head_dim)
+            # per group of G tokens: K channels of G values plus K one-byte channel indices,
+            # spread over the group's G * D elements (k and v count bits per G elements)
+            value_bits = 8 * jnp.dtype(s).itemsize
+            k += self.outlier_channels * (g * value_bits + 8) / head_dim
         return (k + v) / (2 * g)

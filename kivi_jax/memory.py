@@ -20,6 +20,8 @@ import dataclasses
 import math
 import re
 
+import jax.numpy as jnp
+
 from kivi_jax import formats
 from kivi_jax.config import KiviConfig
 
@@ -120,6 +122,9 @@ def cache_bytes(
     stored = sum(
         lh * tq * d // g * formats.group_bits(f, b, g, config.scale_dtype) // 8 for f, b in sides
     )
+    # outlier key channels: per group of G tokens, K channels of G values and K indices
+    value_bytes = jnp.dtype(config.scale_dtype).itemsize
+    stored += lh * (tq // g) * config.outlier_channels * (g * value_bytes + 1)
     slots = (
         residual_slots(config, config.key_axis)
         + residual_slots(config, config.value_axis)

@@ -117,6 +117,35 @@ def dequantize_codes(codes: Array, scale: Array, minimum: Array, dtype=jnp.float
     return out.astype(dtype)
 
 
+def outlier_channels(xg: Array, k: int, dtype) -> tuple[Array, Array]:
+    """Dense-and-sparse keys: the K channels of widest range in each group of G tokens, kept
+    in `dtype` beside the group's codes.
+
+    xg [..., G, D] -> (channel indices [..., K] uint8, their values [..., G, K] in `dtype`).
+    Per channel a group's reconstruction error grows with its range (the scale is range /
+    qmax), so the widest channels are the ones whose errors dominate q.k. Ties go to the lower
+    channel. A channel holding a NaN or an infinity ranks first and keeps its values as they
+    are (it reads back non-finite, as it would without); finite values saturate at `dtype`'s
+    finite range, as minimums do (`minmax_quantize`).
+    """
+    xf = xg.astype(jnp.float32)
+    bad = jnp.any(~jnp.isfinite(xf), axis=-2)  # explicit: XLA's CPU max may skip a NaN
+    span = jnp.where(bad, jnp.inf, jnp.max(xf, axis=-2) - jnp.min(xf, axis=-2))
+    _, idx = jax.lax.top_k(span, k)
+    vals = jnp.take_along_axis(xf, idx[..., None, :], axis=-1)
+    big = float(jnp.finfo(dtype).max)
+    vals = jnp.where(jnp.isfinite(vals), jnp.clip(vals, -big, big), vals)
+    return idx.astype(jnp.uint8), vals.astype(dtype)
+
+
+def overlay_outliers(x: Array, idx: Array, vals: Array) -> Array:
+    """x [..., D] (float32) with channels idx [..., K] replaced by vals [..., K]
+    (`outlier_channels`; the indices of one token are distinct)."""
+    hit = idx[..., :, None].astype(jnp.int32) == jnp.arange(x.shape[-1])  # [..., K, D]
+    exact = jnp.sum(jnp.where(hit, vals[..., :, None].astype(jnp.float32), 0.0), axis=-2)
+    return jnp.where(jnp.any(hit, axis=-2), exact, x)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor:

@@ -37,11 +37,13 @@ def check_names(
     allow_unused: bool,
     config_hint: str,
     error: type[ValueError],
+    stacklevel: int = 3,
 ) -> list[str]:
     """Raise `error` naming the tensors the model needs that `available` lacks, and (unless
     allow_unused) the ones it holds that the model does not use: a config that declares fewer
     layers than the weights would otherwise load a truncated model. With allow_unused, warn
-    (UserWarning) and return the unused names, naturally sorted."""
+    (UserWarning, attributed `stacklevel` frames up: the loader's caller) and return the unused
+    names, naturally sorted."""
     have = set(available)
     missing = [n for n in needed if n not in have]
     if missing:
@@ -60,7 +62,7 @@ def check_names(
         warnings.warn(
             f"{source}: ignoring {len(unused)} tensor(s) not used by {config_hint}: "
             f"{some_names(unused)}",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return unused
 

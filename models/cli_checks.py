@@ -128,8 +128,10 @@ def check_caches(
     residual_flag: str = "--residual",
     sinks: int = 0,
     rotation: str = "none",
+    outlier_channels: int = 0,
 ) -> None:
-    """Cache names and the G / R / sinks / rotation flags, by the library's own rule
+    """Cache names and the G / R / sinks / rotation / outlier-channel flags, by the library's
+    own rule
     (kivi_jax.cache_config; G None: each name's own).
 
     G and R are checked even when every cache is the dense fp16 one, which ignores them: a value
@@ -167,10 +169,22 @@ def check_caches(
         kivi_jax.KiviConfig(rotation=rotation)
     except ValueError as e:
         raise ValueError(f"--rotate {rotation}: {e}") from None
-    if (sinks or rotation != "none") and not quantized:
-        raise ValueError("--sinks / --rotate apply to quantized caches, and none was named")
+    try:
+        kivi_jax.KiviConfig(outlier_channels=outlier_channels)
+    except ValueError as e:
+        raise ValueError(f"--outlier-channels {outlier_channels}: {e}") from None
+    if (sinks or rotation != "none" or outlier_channels) and not quantized:
+        raise ValueError(
+            "--sinks / --rotate / --outlier-channels apply to quantized caches, and none was named"
+        )
+    knobs = dict(sinks=sinks, rotation=rotation, outlier_channels=outlier_channels)
     for name in quantized:
-        kivi_jax.cache_config(name, group_size, residual, sinks=sinks, rotation=rotation)
+        try:
+            kivi_jax.cache_config(name, group_size, residual, **knobs)
+        except ValueError as e:
+            if "outlier_channels" not in str(e):
+                raise
+            raise ValueError(f"--outlier-channels {outlier_channels}: {e}") from None
 
 
 def check_implementation(

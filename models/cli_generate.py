@@ -52,6 +52,11 @@ def generate(
     rotate: str = typer.Option(
         "none", "--rotate", help="Hadamard-rotate keys, values or both before quantizing."
     ),
+    outlier_channels: int = typer.Option(
+        0,
+        "--outlier-channels",
+        help="Keep the K widest key channels of each group of G tokens in fp16 (quantized caches).",
+    ),
     implementation: str = typer.Option(
         "auto",
         "--implementation",
@@ -103,6 +108,7 @@ def generate(
             residual_flag="--residual-length",
             sinks=sinks,
             rotation=rotate,
+            outlier_channels=outlier_channels,
         )
         checks.check_dtype(dtype)
         checks.check_positive(max_new_tokens, "--max-new-tokens")
@@ -145,7 +151,11 @@ def generate(
         text_in = prompt if raw else tok.apply_chat_template(prompt)
         ids = tok.encode(text_in)  # BOS only where the model's metadata asks for it
     cfg_kw = dict(
-        group_size=group_size, residual_length=residual_length, sinks=sinks, rotation=rotate
+        group_size=group_size,
+        residual_length=residual_length,
+        sinks=sinks,
+        rotation=rotate,
+        outlier_channels=outlier_channels,
     )
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
     if not json_out:

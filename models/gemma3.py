@@ -418,16 +418,12 @@ class Gemma3Cache:
         batch: int,
         max_len: int,
         dtype=jnp.bfloat16,
-        group_size: int | None = None,
-        residual_length: int = 128,
-        per_layer: bool = False,
-        sinks: int = 0,
-        rotation: str = "none",
+        **cache_kw,
     ) -> Gemma3Cache:
         """An empty cache: `name` one of kivi_jax.CACHE_NAMES for the global layers ("fp16":
-        dense), rings of min(W, max_len) slots in `dtype` for the local layers. group_size,
-        residual_length, per_layer, sinks and rotation go to `kivi_jax.make_cache` (the
-        global layers' cache; the rings stay exact)."""
+        dense), rings of min(W, max_len) slots in `dtype` for the local layers. `cache_kw`
+        (group_size, residual_length, per_layer, sinks, rotation, outlier_channels) go to
+        `kivi_jax.make_cache` (the global layers' cache; the rings stay exact)."""
         c = config
         if not _positive_int(batch) or not _positive_int(max_len):
             raise ValueError(f"batch and max_len must be positive ints, got {batch!r}, {max_len!r}")
@@ -441,14 +437,10 @@ class Gemma3Cache:
                 head_dim=c.head_dim,
                 max_len=max_len,
                 dtype=dtype,
-                group_size=group_size,
-                residual_length=residual_length,
-                per_layer=per_layer,
-                sinks=sinks,
-                rotation=rotation,
+                **cache_kw,
             )
         else:  # validates the name and knobs
-            kivi_jax.cache_config(name, group_size, residual_length, sinks=sinks, rotation=rotation)
+            kivi_jax.cache_config(name, **{k: v for k, v in cache_kw.items() if k != "per_layer"})
         w = min(c.sliding_window, max_len)
         ring = (len(c.local_layers), batch, w, c.num_kv_heads, c.head_dim)
         return Gemma3Cache(
@@ -531,10 +523,10 @@ def cache_memory(
     batch: int,
     max_len: int,
     dtype=jnp.bfloat16,
-    group_size: int | None = None,
-    residual_length: int = 128,
+    **cache_kw,
 ) -> dict[str, int]:
-    """Bytes of a `Gemma3Cache` of these dimensions, without allocating it:
+    """Bytes of a `Gemma3Cache` of these dimensions (`cache_kw` as `Gemma3Cache.init` takes
+    them), without allocating it:
 
     local: the rings of the local layers (full precision, W slots each); global: the global
     layers' cache (`name`: KIVI or "fp16"); total: their sum; dense_no_window: every layer
@@ -543,13 +535,7 @@ def cache_memory(
     """
     shapes = jax.eval_shape(
         lambda: Gemma3Cache.init(
-            name,
-            config,
-            batch=batch,
-            max_len=max_len,
-            dtype=dtype,
-            group_size=group_size,
-            residual_length=residual_length,
+            name, config, batch=batch, max_len=max_len, dtype=dtype, **cache_kw
         )
     )
     local = _tree_bytes((shapes.local_k, shapes.local_v, shapes.lengths))

@@ -24,9 +24,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from models.checkpoint import check_names, check_shape, to_dtype
+from models.checkpoint import check_shape, to_dtype
 from models.gemma3 import Gemma3Config, check_params, param_shapes
-from models.gguf_loader import GGUFError, _field, _meta_float, _meta_int, _open
+from models.gguf_loader import GGUFError, _field, _meta_float, _meta_int, _open, checked_tensors
 from models.tokenizer import Tokenizer
 
 ARCH = "gemma3"
@@ -249,25 +249,15 @@ def load_gemma3_gguf(
     reader = _open(path) if reader is None else reader
     c = config_from_gguf(reader, name or path.stem)
     tokenizer = tokenizer_from_gguf(reader) if with_tokenizer else None
-    tensors = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"tensor {t.name}: unsupported GGUF tensor type {t.tensor_type.name}; supported: "
-                f"{', '.join(SUPPORTED_TYPES)}"
-            )
-    needed = [
-        "token_embd.weight",
-        *(f"blk.{i}.{m[0]}" for i in range(c.num_layers) for m in _LAYER_MAP.values()),
-        "output_norm.weight",
-    ]
-    check_names(
+    tensors = checked_tensors(
+        reader,
         str(path),
-        tensors,
-        needed,
+        arch=ARCH,
+        num_layers=c.num_layers,
+        layer_suffixes=[m[0] for m in _LAYER_MAP.values()],
+        output=False,  # tied embeddings (`config_from_gguf` refuses an output.weight)
+        supported=SUPPORTED_TYPES,
         allow_unused=allow_unused,
-        config_hint=f"the metadata ({ARCH}.block_count={c.num_layers})",
-        error=GGUFError,
     )
     want = param_shapes(c)
     np_dtype = jnp.dtype(dtype)

@@ -293,7 +293,8 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
     """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
-    with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation. For a
+    with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation,
+    outlier_channels. For a
     Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
     if isinstance(config, gemma3.Gemma3Config):
         return gemma3.Gemma3Cache.init(
@@ -318,11 +319,11 @@ def cache_nbytes(cache) -> int:
     return int(nb["total"] if isinstance(nb, dict) else nb.total)
 
 
-def _cache_kw(group_size, residual_length, params, sinks=0, rotation="none"):
+def _cache_kw(group_size, residual_length, params, sinks=0, rotation="none", outlier_channels=0):
     # per-layer weights decode in an unrolled loop: a dense cache there holds a buffer per layer
     kw = {"per_layer": llama.is_unstacked(params)}
-    if sinks or rotation != "none":
-        kw.update(sinks=sinks, rotation=rotation)
+    if sinks or rotation != "none" or outlier_channels:
+        kw.update(sinks=sinks, rotation=rotation, outlier_channels=outlier_channels)
     if group_size is not None:
         kw["group_size"] = group_size
     if residual_length is not None:
@@ -441,6 +442,7 @@ def generate(
     residual_length: int | None = None,
     sinks: int = 0,
     rotation: str = "none",
+    outlier_channels: int = 0,
     mesh=None,
     rules=None,
     prefill_chunk: int | None = None,
@@ -448,7 +450,8 @@ def generate(
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
 
     cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype); group_size,
-    residual_length, sinks and rotation as `kivi_jax.cache_config` takes them. Rows stop
+    residual_length, sinks, rotation and outlier_channels as `kivi_jax.cache_config` takes
+    them. Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params)` to skip that copy on repeated calls.
@@ -500,7 +503,7 @@ def generate(
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     dtype = params["embed"].dtype
-    kw = _cache_kw(group_size, residual_length, params, sinks, rotation)
+    kw = _cache_kw(group_size, residual_length, params, sinks, rotation, outlier_channels)
     if mesh is not None:
         if kivi_jax.cache_config(cache) is None:
             raise ValueError(f"generation over a mesh needs a KIVI cache, got {cache!r}")
@@ -589,6 +592,7 @@ def stream(
     residual_length: int | None = None,
     sinks: int = 0,
     rotation: str = "none",
+    outlier_channels: int = 0,
 ) -> Iterator[int]:
     """Yield generated token ids one by one (the stop token, if hit, is yielded last).
 
@@ -604,7 +608,7 @@ def stream(
         1,
         max_len,
         params["embed"].dtype,
-        **_cache_kw(group_size, residual_length, params, sinks, rotation),
+        **_cache_kw(group_size, residual_length, params, sinks, rotation, outlier_channels),
     )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     rng = jax.random.key(seed)

@@ -12,6 +12,7 @@ pairs; we un-permute them back to the half-split (HF) layout that `models.llama.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -237,6 +238,47 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     )
 
 
+def checked_tensors(
+    reader,
+    source: str,
+    *,
+    arch: str,
+    num_layers: int,
+    layer_suffixes: Sequence[str],
+    output: bool,
+    supported: Sequence[str],
+    allow_unused: bool,
+) -> dict:
+    """The file's tensors by name, once each is of a type in `supported` and the names are the
+    model's: token_embd, blk.{i}.{suffix} for each of `num_layers` blocks, output_norm, and
+    output when `output` (untied embeddings). GGUFError for another type, a missing tensor, or
+    one the model does not use (unless allow_unused, which warns; `check_names`); `arch` names
+    the metadata that decided `num_layers`, for the messages."""
+    needed = [
+        "token_embd.weight",
+        *(f"blk.{i}.{s}" for i in range(num_layers) for s in layer_suffixes),
+        "output_norm.weight",
+        *(["output.weight"] if output else []),
+    ]
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.tensor_type.name not in supported:
+            raise GGUFError(
+                f"tensor {t.name}: unsupported GGUF tensor type {t.tensor_type.name}; supported: "
+                f"{', '.join(supported)}"
+            )
+    check_names(
+        source,
+        tensors,
+        needed,
+        allow_unused=allow_unused,
+        config_hint=f"the metadata ({arch}.block_count={num_layers})",
+        error=GGUFError,
+        stacklevel=4,  # the warning names the loader's caller, not the loader
+    )
+    return tensors
+
+
 # our layer key -> (GGUF tensor suffix, transpose to [in, out])
 _LAYER_MAP = {
     "attn_norm": ("attn_norm.weight", False),
@@ -279,28 +321,17 @@ def load_gguf(
     config = config_from_gguf(reader, name or path.stem)
     tokenizer = tokenizer_from_gguf(reader)
     arch = _field(reader, "general.architecture")
-    tensors = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"tensor {t.name}: unsupported GGUF tensor type {t.tensor_type.name}; supported: "
-                f"{', '.join(SUPPORTED_TYPES)}"
-            )
     c = config
     layer_keys = [k for k in _LAYER_MAP if c.qkv_bias or not k.startswith("b")]
-    needed = [
-        "token_embd.weight",
-        *(f"blk.{i}.{_LAYER_MAP[k][0]}" for i in range(c.num_layers) for k in layer_keys),
-        "output_norm.weight",
-        *([] if c.tie_embeddings else ["output.weight"]),
-    ]
-    check_names(
+    tensors = checked_tensors(
+        reader,
         str(path),
-        tensors,
-        needed,
+        arch=arch,
+        num_layers=c.num_layers,
+        layer_suffixes=[_LAYER_MAP[k][0] for k in layer_keys],
+        output=not c.tie_embeddings,
+        supported=SUPPORTED_TYPES,
         allow_unused=allow_unused,
-        config_hint=f"the metadata ({arch}.block_count={c.num_layers})",
-        error=GGUFError,
     )
     want = param_shapes(c)
     np_dtype = jnp.dtype(dtype)

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check kivi_jax pallas_kernels models tests bench
-.venv/bin/ruff format --check kivi_jax pallas_kernels models tests bench
+.venv/bin/ruff check kivi_jax pallas_kernels models tests bench scripts notebooks
+.venv/bin/ruff format --check kivi_jax pallas_kernels models tests bench scripts notebooks
 .venv/bin/python -m pytest -q -ra "$@"

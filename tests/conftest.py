@@ -30,3 +30,11 @@ def _release_compiled_programs():
     with a segmentation fault."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def not_gguf_file(tmp_path):
+    """A file named .gguf whose bytes are not GGUF (a zip header, then zeros)."""
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    return path

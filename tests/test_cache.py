@@ -45,6 +45,9 @@ CONFIGS = [
         4, 4, 32, 32, key_format="nvfp4", value_format="nvfp4", key_axis="token", sinks=3
     ),
     kj.KiviConfig(4, 2, 32, 0, key_format="mxfp4", key_axis="token", rotation="values"),
+    # outlier key channels, with sinks in the first group, and with no window
+    kj.KiviConfig(2, 2, group_size=32, residual_length=64, sinks=3, outlier_channels=2),
+    kj.KiviConfig(4, 2, group_size=64, residual_length=0, outlier_channels=5, rotation="keys"),
 ]
 
 

@@ -318,13 +318,13 @@ def test_report_formats_table_and_best_at_budget(tmp_path):
     text = report.write_report(path, tmp_path / "docs", "kivi-jax eval report").read_text()
     assert "## Formats" in text
     assert (
-        "| cache | G | sinks | rotation | bits/elem | streaming ppl | vs fp16 | simulated ppl | "
-        "passkey prefill | passkey streamed |" in text
+        "| cache | G | sinks | rotation | outlier channels | bits/elem | streaming ppl | vs fp16 "
+        "| simulated ppl | passkey prefill | passkey streamed |" in text
     )
-    assert "| fp16 | - | - | - | 16.00 | 10.000 | +0.0% | 10.000 | 12/12 | 8/12 |" in text
-    assert "| kivi2 | 32 | 0 | none | 3.00 | 12.500 | +25.0% | 20.000 | - | - |" in text
-    assert "| kivi2 | 32 | 8 | both | 3.00 | 11.000 | +10.0% | 14.000 | 12/12 | 8/12 |" in text
-    assert "| fp8 | 64 | 0 | none | 8.25 | 10.600 | +6.0% | - | - | - |" in text
+    assert "| fp16 | - | - | - | - | 16.00 | 10.000 | +0.0% | 10.000 | 12/12 | 8/12 |" in text
+    assert "| kivi2 | 32 | 0 | none | 0 | 3.00 | 12.500 | +25.0% | 20.000 | - | - |" in text
+    assert "| kivi2 | 32 | 8 | both | 0 | 3.00 | 11.000 | +10.0% | 14.000 | 12/12 | 8/12 |" in text
+    assert "| fp8 | 64 | 0 | none | 0 | 8.25 | 10.600 | +6.0% | - | - | - |" in text
     assert (
         "- Best at <= 3.0 bits per element by streaming perplexity: kivi2 G32 R128 S8 rot=both "
         "(3.00 bits, 11.000, +10.0% over fp16)." in text

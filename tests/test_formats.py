@@ -1,6 +1,6 @@
-"""Element formats (fp8, nvfp4, mxfp4), attention sinks and the Hadamard rotation: each codec
-against an independent numpy oracle built from the specifications, the exact bit accounting,
-the edges, and attention over such caches against float64 definitions."""
+"""Element formats (fp8, nvfp4, mxfp4), attention sinks, the Hadamard rotation and outlier key
+channels: each codec against an independent numpy oracle built from the specifications, the
+exact bit accounting, the edges, and attention over such caches against float64 definitions."""
 
 import itertools
 
@@ -117,9 +117,11 @@ def test_bits_per_element_counts_every_stored_byte():
         kj.cache_config("nvfp4", 64): 5.0,  # 4 + E4M3 / 16 + fp32 / 64
         kj.cache_config("mxfp4", 32): 4.25,  # 4 + E8M0 / 32
         kj.KiviConfig(2, 4, 64, value_format="nvfp4"): (2.5 + 4.0 + 0.5 + 0.5) / 2,
+        # + per group of 64 tokens 3 channels of 64 fp16 values and 3 one-byte indices
+        kj.KiviConfig(2, 2, 64, outlier_channels=3): (2.5 + 2.5 + 3 * (64 * 16 + 8) / 64**2) / 2,
     }
     for cfg, want in cases.items():
-        assert cfg.bits_per_element() == want, cfg
+        assert cfg.bits_per_element(64) == want, cfg
         c = kj.KiviCache.init(
             cfg, num_layers=2, batch=3, kv_heads=2, head_dim=64, max_len=700, dtype=jnp.bfloat16
         )
@@ -138,6 +140,14 @@ def test_bits_per_element_counts_every_stored_byte():
         (dict(sinks=-1), "sinks must be a non-negative int"),
         (dict(sinks=2.0), "sinks must be a non-negative int"),
         (dict(rotation="yes"), "rotation must be one of"),
+        (dict(outlier_channels=-1), "outlier_channels must be a non-negative int"),
+        (dict(outlier_channels=256), "outlier_channels must be a non-negative int < 256"),
+        (dict(outlier_channels=True), "outlier_channels must be a non-negative int"),
+        (dict(outlier_channels=2, key_axis="token"), "set key_axis='channel'"),
+        (
+            dict(outlier_channels=2, key_bits=8, key_format="fp8", key_axis="token"),
+            "key_format='int'",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kw, match):
@@ -222,6 +232,7 @@ ATTENTION_CONFIGS = [
         sinks=40,
         rotation="keys",
     ),  # fmt: skip
+    kj.KiviConfig(2, 2, 32, 32, sinks=3, outlier_channels=3),
 ]
 
 
@@ -300,19 +311,36 @@ def test_chunk_attention_over_every_format(cfg):
             np.testing.assert_allclose(got[row, i, h], p @ vals / p.sum(), atol=2e-5)
 
 
-def test_simulated_transform_equals_the_caches_quantization():
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        kj.KiviConfig(
+            4,
+            4,
+            32,
+            0,
+            key_format="nvfp4",
+            value_format="mxfp4",
+            key_axis="token",
+            sinks=3,
+            rotation="both",
+        ),  # fmt: skip
+        kj.KiviConfig(2, 2, 32, 0, sinks=3, rotation="keys", outlier_channels=2),
+    ],
+    ids=str,
+)
+def test_simulated_transform_equals_the_caches_quantization(cfg):
     # The simulated protocol's quantize-dequantize image of a prompt is what a cache with no
-    # window stores (per-token formats, sinks, a rotation).
+    # window stores (per-token formats, sinks, a rotation, outlier key channels): per channel
+    # the keys' newest block is still in its window (W = G), so it is compared before that.
     from models.eval.ppl import qdq_transform
 
-    cfg = kj.KiviConfig(
-        4, 4, 32, 0, key_format="nvfp4", value_format="mxfp4", key_axis="token", sinks=3,
-        rotation="both",
-    )  # fmt: skip
     cache, k, v = _filled(cfg, [256], seed=11)
     sk, sv = qdq_transform(cfg)(k[0], v[0])  # [B, Hkv, S, D] of layer 0
     hk, hv = _held_model_basis(cache, 0, [256])
-    np.testing.assert_allclose(np.asarray(sk), hk[:, :, :256], atol=2e-5)
+    nk = int(cache.keys.num_quantized(jnp.array([256]))[0])
+    assert nk == (256 if cfg.key_axis == "token" else 224)
+    np.testing.assert_allclose(np.asarray(sk)[:, :, :nk], hk[:, :, :nk], atol=2e-5)
     np.testing.assert_allclose(np.asarray(sv), hv[:, :, :256], atol=2e-5)
 
 
@@ -326,3 +354,75 @@ def test_best_named_caches_fix_their_group_and_bits():
     with pytest.raises(ValueError, match="defined with sinks=8"):
         kj.cache_config("best3", sinks=4)
     assert kj.cache_config("kivi2").group_size == 32  # names without their own: the default
+
+
+# ---------------------------------------------------------------------------------------------
+# Outlier key channels (dense-and-sparse)
+
+
+def test_outlier_channels_are_the_widest_of_each_group():
+    from kivi_jax.quant import outlier_channels, overlay_outliers
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 32, 64)).astype(np.float32)  # 3 groups of 32 tokens
+    x[0, :, 7] *= 40
+    x[0, :, 50] *= 20
+    x[1, 3, 9] = 1e6  # beyond float16: saturates at 65504
+    x[2, 5, 60] = np.nan  # a non-finite channel ranks first and stays non-finite
+    x[2, :, 2] *= 30
+    idx, vals = outlier_channels(jnp.asarray(x), 3, jnp.float16)
+    span = x.max(1) - x.min(1)
+    span = np.where(np.isnan(x).any(1), np.inf, span)
+    want = np.argsort(-span, axis=-1, kind="stable")[:, :3]  # ties: the lower channel
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    assert want[0, 0] == 7 and want[0, 1] == 50 and want[1, 0] == 9 and want[2, 0] == 60
+    picked = np.take_along_axis(x, want[:, None, :], axis=-1)
+    np.testing.assert_array_equal(
+        np.asarray(vals), np.clip(picked, -65504, 65504).astype(np.float16)
+    )
+    # the overlay puts them back over a reconstruction, channel by channel
+    y = overlay_outliers(jnp.zeros_like(x), idx[:, None, :], vals)
+    y = np.asarray(y)
+    np.testing.assert_array_equal(y[0, :, 7], x[0, :, 7].astype(np.float16))
+    assert np.isnan(y[2, 5, 60]) and y[1, 3, 9] == 65504
+    assert (y[0][:, np.setdiff1d(np.arange(64), want[0])] == 0).all()
+
+
+def test_outlier_channels_in_a_cache_are_exact_and_leave_the_codes_alone():
+    base = kj.KiviConfig(2, 2, group_size=32, residual_length=32, sinks=2)
+    with_outliers = kj.KiviConfig(
+        2, 2, group_size=32, residual_length=32, sinks=2, outlier_channels=2
+    )
+    k, v = (jax.random.normal(jax.random.key(i), (1, 1, 1, 300, 64)) for i in (0, 1))
+    k = k.at[..., 11].mul(50.0).at[..., 40].mul(25.0)  # two wide channels, as SmolLM2's keys have
+    n = jnp.array([300], jnp.int32)
+    made = lambda cfg: kj.KiviCache.init(
+        cfg, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=300, dtype=jnp.float32
+    ).prefill(k, v, n)
+    plain, kept = made(base), made(with_outliers)
+    got, ref = (np.asarray(c.layer_kv(0)[0][0, :256, 0]) for c in (plain, kept))
+    exact = np.asarray(k[0, 0, 0, :256])
+    wide = [11, 40]
+    np.testing.assert_array_equal(
+        ref[2:, wide], exact[2:, wide].astype(np.float16).astype(np.float32)
+    )
+    others = np.setdiff1d(np.arange(64), wide)
+    np.testing.assert_array_equal(ref[:, others], got[:, others])  # the same codes and scales
+    assert np.abs(got[2:, wide] - exact[2:, wide]).max() > 1.0  # without: the wide ones suffer
+    np.testing.assert_array_equal(  # the values are not touched
+        np.asarray(plain.layer_kv(0)[1]), np.asarray(kept.layer_kv(0)[1])
+    )
+    nb_plain, nb_kept = plain.nbytes(), kept.nbytes()
+    groups = kept.keys.capacity // 32  # each: 2 channels of 32 fp16 values, 2 one-byte indices
+    assert nb_kept.scales - nb_plain.scales == groups * 2 * (32 * 2 + 1)
+
+
+def test_bits_per_element_of_outlier_channels_needs_head_dim():
+    cfg = kj.KiviConfig(2, 2, 64, outlier_channels=2)
+    with pytest.raises(ValueError, match="needs head_dim"):
+        cfg.bits_per_element()
+    with pytest.raises(ValueError, match=r"needs head_dim in \(8, 256\]"):
+        kj.KiviConfig(2, 2, 8, outlier_channels=8).check_head_dim(8)
+    assert kj.cache_config("best25", outlier_channels=1).outlier_channels == 1
+    with pytest.raises(ValueError, match="no sinks, rotation or outlier channels"):
+        kj.cache_config("fp16", outlier_channels=1)

@@ -20,25 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gemma3_helpers import TINY, tiny_params
 
 from models import gemma3 as g
 from models.gguf_loader import GGUFError
 
 FIX = Path(__file__).parent / "fixtures"
-
-TINY = g.Gemma3Config(
-    name="tiny",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=6,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    sliding_window=5,
-    sliding_window_pattern=3,
-    query_pre_attn_scalar=24.0,
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +84,7 @@ def test_check_params_names_the_problem():
 
 
 def _decode_vs_forward(config, name, lengths, steps, *, tol, impl="reference", **cache_kw):
-    p = g.init_params(config, jax.random.key(0), norm_std=0.3)
+    p = tiny_params(config)
     B, S = len(lengths), max(lengths) + steps
     toks = jax.random.randint(jax.random.key(1), (B, S), 0, config.vocab_size)
     full, _ = g.prefill(p, config, toks, jnp.full((B,), S), None, all_logits=True)
@@ -137,7 +124,7 @@ def test_no_global_layers():
 def test_softcap_path_matches_plain_attention():
     # A cap far above every logit is the identity: the einsum path (used with a cap) must
     # then agree with jax.nn.dot_product_attention (used without one), sliding window included.
-    p = g.init_params(TINY, jax.random.key(0), norm_std=0.3)
+    p = tiny_params()
     toks = jax.random.randint(jax.random.key(2), (2, 11), 0, TINY.vocab_size)
     lengths = jnp.asarray([11, 8])
     capped = dataclasses.replace(TINY, attn_logit_softcapping=1e6, final_logit_softcapping=1e6)
@@ -282,15 +269,13 @@ def test_tiny_hf_parity():
 # Damaged and wrong files.
 
 
-def test_loader_rejects_bad_files(tmp_path):
+def test_loader_rejects_bad_files(tmp_path, not_gguf_file):
     from models.gemma3_loader import load_gemma3_gguf
 
     with pytest.raises(FileNotFoundError):
         load_gemma3_gguf(tmp_path / "absent.gguf")
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(GGUFError, match="not a GGUF file"):
-        load_gemma3_gguf(junk)
+        load_gemma3_gguf(not_gguf_file)
 
 
 def _smollm2_gguf():

@@ -9,30 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gemma3_helpers import TINY, tiny_params
 
 from models import gemma3 as g
 from models import generate as G
 from models.eval import passkey, ppl
 
-TINY = g.Gemma3Config(
-    name="tiny",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=6,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    sliding_window=5,
-    sliding_window_pattern=3,
-    query_pre_attn_scalar=24.0,
-)
 PROMPTS = [[3, 5, 7, 9, 11, 13, 15], [2, 4, 6]]  # past the window of 5 and inside it
 
 
 @pytest.fixture(scope="module")
 def params():
-    return g.init_params(TINY, jax.random.key(0), norm_std=0.3)
+    return tiny_params()
 
 
 def _greedy_ref(params, prompt, steps, name="fp16", **kw):
@@ -108,12 +96,10 @@ def test_passkey_generation_on_gemma3(params):
 # The loader.
 
 
-def test_gguf_architecture(tmp_path):
+def test_gguf_architecture(tmp_path, not_gguf_file):
     from models.loader import gguf_architecture
 
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"PK\x03\x04" + bytes(100))
-    assert gguf_architecture(junk) is None
+    assert gguf_architecture(not_gguf_file) is None
     assert gguf_architecture(tmp_path / "absent.gguf") is None
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")

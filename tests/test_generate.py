@@ -78,6 +78,32 @@ def test_kivi_with_long_residual_equals_dense(smol, dense_greedy):
     assert out.max_len <= 128
 
 
+def test_cache_knobs_reach_generate_and_stream(smol):
+    """Sinks, a rotation and outlier channels reach the cache of both decode paths: the
+    jitted loop and the streamed one give the same tokens, and the bytes held are those of
+    `make_cache` with the same knobs (which the outlier channels grow)."""
+    import kivi_jax
+
+    config, params, _ = smol
+    knobs = dict(group_size=32, residual_length=32, sinks=4, rotation="both", outlier_channels=2)
+    ids = CASES[0]["ids"]
+    out = G.generate(params, config, [ids], cache="kivi2", max_new_tokens=8, **knobs)
+    streamed = list(G.stream(params, config, ids, cache="kivi2", max_new_tokens=8, **knobs))
+    assert streamed == out.tokens[0]
+    dims = dict(
+        num_layers=config.num_layers,
+        batch=1,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=out.max_len,
+        dtype=params["embed"].dtype,
+    )
+    want = kivi_jax.make_cache("kivi2", **dims, **knobs).nbytes().total
+    assert out.cache_bytes == want
+    without = dict(knobs, outlier_channels=0)
+    assert want > kivi_jax.make_cache("kivi2", **dims, **without).nbytes().total
+
+
 def test_second_batch_in_bucket_compiles_nothing(smol, dense_greedy):
     config, params, tok = smol
     before_programs, (before_compiles, _) = G.compiled_programs(), G.compile_stats()

@@ -125,6 +125,7 @@ def test_bad_shapes_and_configs():
         ("nvfp4", 32, 32),
         ("mxfp4", 32, 0),
         ("kivi2-sinks", 32, 128),
+        ("kivi2-outliers", 64, 128),
     ],
 )
 def test_cache_bytes_match_make_cache(name, g, r):
@@ -133,11 +134,15 @@ def test_cache_bytes_match_make_cache(name, g, r):
     import kivi_jax
 
     shape = KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype_bytes=2)
-    name, sinks = name.removesuffix("-sinks"), 4 if name.endswith("-sinks") else 0
+    knobs = dict(
+        sinks=4 if name.endswith("-sinks") else 0,
+        outlier_channels=3 if name.endswith("-outliers") else 0,
+    )
+    name = name.removesuffix("-sinks").removesuffix("-outliers")
     for tokens, batch in ((100, 1), (300, 2)):
         cache = kivi_jax.make_cache(
             name,
-            sinks=sinks,
+            **knobs,
             num_layers=2,
             batch=batch,
             kv_heads=3,
@@ -148,7 +153,7 @@ def test_cache_bytes_match_make_cache(name, g, r):
             residual_length=r,
         )
         want = cache.nbytes()
-        cfg = kivi_jax.cache_config(name, g, r, sinks=sinks)
+        cfg = kivi_jax.cache_config(name, g, r, **knobs)
         got = cache_bytes(shape, cfg, tokens=tokens, batch=batch)
         assert (got.codes, got.scales, got.residual, got.lengths) == tuple(want)
         assert got.total == want.total

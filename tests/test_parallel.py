@@ -228,15 +228,29 @@ def test_decode_attention_inside_a_users_shard_map():
     np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
 
 
-def test_formats_sinks_and_rotation_on_token_shards():
-    """Per-token float formats, sinks (all on the first shard) and a rotation: prefill, appends
-    and chunks written where the tokens are (bit for bit), and the attention merged across
-    the shards equal to the unsharded reference."""
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        kj.KiviConfig(
+            4,
+            4,
+            32,
+            128,
+            key_format="nvfp4",
+            value_format="mxfp4",
+            key_axis="token",
+            sinks=5,
+            rotation="both",
+        ),  # fmt: skip
+        kj.KiviConfig(2, 2, 32, 128, sinks=5, outlier_channels=2),
+    ],
+    ids=str,
+)
+def test_formats_sinks_rotation_and_outliers_on_token_shards(cfg):
+    """Per-token float formats, sinks (all on the first shard), a rotation and outlier key
+    channels: prefill, appends and chunks written where the tokens are (bit for bit), and the
+    attention merged across the shards equal to the unsharded reference."""
     mesh = _mesh(1, 1, 4)
-    cfg = kj.KiviConfig(
-        4, 4, 32, 128, key_format="nvfp4", value_format="mxfp4", key_axis="token", sinks=5,
-        rotation="both",
-    )  # fmt: skip
     c0 = kj.KiviCache.init(
         cfg, num_layers=L, batch=4, kv_heads=HKV, head_dim=D, max_len=2048, dtype=jnp.float32
     )

@@ -30,6 +30,13 @@ RotateOpt = Annotated[
     str,
     typer.Option("--rotate", help="Hadamard-rotate keys, values or both before quantizing (none)"),
 ]
+OutliersOpt = Annotated[
+    int,
+    typer.Option(
+        "--outlier-channels",
+        help="Keep the K widest key channels of each group of G tokens in fp16 (quantized caches)",
+    ),
+]
 PrefillChunkOpt = typer.Option(
     "--prefill-chunk",
     help="Prefill this many tokens at a time through the cache (each chunk attends to the "
@@ -52,6 +59,7 @@ def ppl_cmd(
     residual: ResidualOpt = 128,
     sinks: SinksOpt = 0,
     rotate: RotateOpt = "none",
+    outlier_channels: OutliersOpt = 0,
     prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
     decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
     windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
@@ -89,8 +97,9 @@ def ppl_cmd(
     from models.eval import ppl
 
     with checks.user_errors():  # every flag before the model loads
-        checks.check_caches([cache], group_size, residual, sinks=sinks, rotation=rotate)
-        spec = ppl.CacheSpec.named(cache, group_size, residual, sinks, rotate)
+        knobs = dict(sinks=sinks, rotation=rotate, outlier_channels=outlier_channels)
+        checks.check_caches([cache], group_size, residual, **knobs)
+        spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs)
         checks.check_dtype(dtype)
         for value, flag in (
             (prefill, "--prefill"),
@@ -194,6 +203,7 @@ def passkey_cmd(
     residual: ResidualOpt = 128,
     sinks: SinksOpt = 0,
     rotate: RotateOpt = "none",
+    outlier_channels: OutliersOpt = 0,
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="Needle depths in [0, 1]")] = "0,0.25,0.5,0.75,1",
     trials: Annotated[int, typer.Option(help="Keys per (length, depth) cell")] = 5,
@@ -230,7 +240,8 @@ def passkey_cmd(
 
     names = cache or ["fp16", "kivi2"]
     with checks.user_errors():  # every flag before the model loads
-        checks.check_caches(names, group_size, residual, sinks=sinks, rotation=rotate)
+        knobs = dict(sinks=sinks, rotation=rotate, outlier_channels=outlier_channels)
+        checks.check_caches(names, group_size, residual, **knobs)
         checks.check_dtype(dtype)
         for value, flag in (
             (trials, "--trials"),
@@ -240,7 +251,7 @@ def passkey_cmd(
         ):
             checks.check_positive(value, flag)
         checks.check_implementation(implementation, names)
-        specs = [ppl.CacheSpec.named(c, group_size, residual, sinks, rotate) for c in names]
+        specs = [ppl.CacheSpec.named(c, group_size, residual, **knobs) for c in names]
         lens = _lengths(lengths)
         deps = _floats(depths, "--depths")
         if not lens or not deps:

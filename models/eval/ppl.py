@@ -164,9 +164,18 @@ class CacheSpec:
     residual_length: int = 128
     sinks: int = 0
     rotation: str = "none"
+    outlier_channels: int = 0
 
     @classmethod
-    def named(cls, name, group_size=None, residual_length=128, sinks=0, rotation="none"):
+    def named(
+        cls,
+        name,
+        group_size=None,
+        residual_length=128,
+        sinks=0,
+        rotation="none",
+        outlier_channels=0,
+    ):
         """A spec whose knobs apply where the cache is quantized (the dense one, compared beside
         them, takes none); group_size None: the name's own (`kivi_jax.cache_config`)."""
         import kivi_jax
@@ -174,7 +183,17 @@ class CacheSpec:
         if name in kivi_jax.DENSE_NAMES:
             return cls(name, residual_length=residual_length)
         cfg = kivi_jax.cache_config(name, group_size, residual_length)
-        return cls(name, cfg.group_size, residual_length, sinks, rotation)
+        return cls(name, cfg.group_size, residual_length, sinks, rotation, outlier_channels)
+
+    def knobs(self) -> dict:
+        """The keyword arguments `kivi_jax.make_cache` and `kivi_jax.cache_config` take."""
+        return dict(
+            group_size=self.group_size,
+            residual_length=self.residual_length,
+            sinks=self.sinks,
+            rotation=self.rotation,
+            outlier_channels=self.outlier_channels,
+        )
 
     def config(self):
         """The KiviConfig (None for the dense cache); raises ValueError on an unknown name."""
@@ -185,13 +204,7 @@ class CacheSpec:
                 f"unknown cache name {self.name!r}; "
                 f"expected one of {', '.join(kivi_jax.CACHE_NAMES)}"
             )
-        return kivi_jax.cache_config(
-            self.name,
-            group_size=self.group_size,
-            residual_length=self.residual_length,
-            sinks=self.sinks,
-            rotation=self.rotation,
-        )
+        return kivi_jax.cache_config(self.name, **self.knobs())
 
     def describe(self) -> dict:
         cfg = self.config()
@@ -207,15 +220,7 @@ class CacheSpec:
 
         if isinstance(model_config, gemma3.Gemma3Config):
             return gemma3.Gemma3Cache.init(
-                self.name,
-                model_config,
-                batch=batch,
-                max_len=max_len,
-                dtype=dtype,
-                group_size=self.group_size,
-                residual_length=self.residual_length,
-                sinks=self.sinks,
-                rotation=self.rotation,
+                self.name, model_config, batch=batch, max_len=max_len, dtype=dtype, **self.knobs()
             )
         return kivi_jax.make_cache(
             self.name,
@@ -225,10 +230,7 @@ class CacheSpec:
             head_dim=model_config.head_dim,
             max_len=max_len,
             dtype=dtype,
-            group_size=self.group_size,
-            residual_length=self.residual_length,
-            sinks=self.sinks,
-            rotation=self.rotation,
+            **self.knobs(),
         )
 
 
@@ -248,38 +250,48 @@ def qdq_transform(kivi_config) -> Callable | None:
     if kivi_config is None:
         return None
     from kivi_jax import formats, rotation
-    from kivi_jax.quant import dequantize, quantize
+    from kivi_jax.quant import dequantize, outlier_channels, overlay_outliers, quantize
 
     cfg = kivi_config
     g, n_sinks = cfg.group_size, cfg.sinks
 
-    def qdq_int(x, bits, axis):
+    def qdq_int(x, bits, axis, outliers=0):
         s = x.shape[-2]
         pad = (-s) % g if axis == "channel" else 0
         xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)], mode="edge") if pad else x
+        *lead, t, d = xp.shape
+        groups = lambda a: a.reshape(*lead, t // g, g, d)  # channel groups of G tokens
         if n_sinks and axis == "channel":  # sinks out of their group's range, as the cache
-            *lead, t, d = xp.shape
-            xg = xp.reshape(*lead, t // g, g, d)
             pos = jnp.arange(t).reshape(t // g, g, 1)
-            xp = jnp.where(pos < n_sinks, xg[..., -1:, :], xg).reshape(xp.shape)
-        q = quantize(xp, bits, g, axis, cfg.scale_dtype)
-        return dequantize(q, jnp.float32)[..., :s, :]
+            xp = jnp.where(pos < n_sinks, groups(xp)[..., -1:, :], groups(xp)).reshape(xp.shape)
+        y = dequantize(quantize(xp, bits, g, axis, cfg.scale_dtype), jnp.float32)
+        if outliers:  # the widest channels of each group kept, as the cache keeps them
+            idx, vals = outlier_channels(groups(xp), outliers, cfg.scale_dtype)
+            y = overlay_outliers(groups(y), idx[..., None, :], vals).reshape(y.shape)
+        return y[..., :s, :]
 
     def qdq_float(x, fmt, bits):  # per token, groups of G channels
         *lead, d = x.shape
         codes, scale, aux = formats.encode(fmt, x.reshape(*lead, d // g, g), bits, cfg.scale_dtype)
         return formats.decode(fmt, codes, scale, aux, g).reshape(x.shape)
 
-    def qdq(x, fmt, bits, axis, rotate):
+    def qdq(x, fmt, bits, axis, rotate, outliers=0):
         xr = rotation.rotate(x) if rotate else x.astype(jnp.float32)
-        y = qdq_int(xr, bits, axis) if fmt == "int" else qdq_float(xr, fmt, bits)
+        y = qdq_int(xr, bits, axis, outliers) if fmt == "int" else qdq_float(xr, fmt, bits)
         if n_sinks:  # the first positions stay exact
             y = jnp.where(jnp.arange(x.shape[-2])[:, None] < n_sinks, xr, y)
         return (rotation.unrotate(y) if rotate else y).astype(x.dtype)
 
     def transform(k, v):
         return (
-            qdq(k, cfg.key_format, cfg.key_bits, cfg.key_axis, cfg.rotates_keys),
+            qdq(
+                k,
+                cfg.key_format,
+                cfg.key_bits,
+                cfg.key_axis,
+                cfg.rotates_keys,
+                cfg.outlier_channels,
+            ),
             qdq(v, cfg.value_format, cfg.value_bits, cfg.value_axis, cfg.rotates_values),
         )
 

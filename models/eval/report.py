@@ -100,6 +100,8 @@ def _spec_key(s: CacheSpec) -> str:
         key += f"/S{s.sinks}"
     if s.rotation != "none":
         key += f"/rot={s.rotation}"
+    if s.outlier_channels:
+        key += f"/O{s.outlier_channels}"
     return key
 
 
@@ -203,6 +205,7 @@ def _spec_of(r: dict) -> CacheSpec:
         r["residual_length"],
         r.get("sinks") or 0,
         r.get("rotation") or "none",
+        _outliers(r),
     )
 
 
@@ -402,15 +405,10 @@ def _describe_loose(spec: CacheSpec) -> dict:
         "residual_length": spec.residual_length,
         "sinks": spec.sinks,
         "rotation": spec.rotation,
+        "outlier_channels": spec.outlier_channels,
     }
     try:
-        cfg = kivi_jax.cache_config(
-            spec.name,
-            spec.group_size,
-            spec.residual_length,
-            sinks=spec.sinks,
-            rotation=spec.rotation,
-        )
+        cfg = kivi_jax.cache_config(spec.name, **spec.knobs())
     except ValueError:
         return base
     if cfg is not None:
@@ -440,10 +438,16 @@ def _rotation(r: dict) -> str:
     return r.get("rotation") or "none"
 
 
+def _outliers(r: dict) -> int:
+    return r.get("outlier_channels") or 0  # records written before outlier channels: none
+
+
 def _variant(r: dict) -> str:
-    """A record's sinks and rotation where set, e.g. " S8 rot=both" ("" for a plain cache)."""
+    """A record's sinks, rotation and outlier channels where set, e.g. " S8 rot=both O3" (""
+    for a plain cache)."""
     out = f" S{_sinks(r)}" if _sinks(r) else ""
-    return out + (f" rot={_rotation(r)}" if _rotation(r) != "none" else "")
+    out += f" rot={_rotation(r)}" if _rotation(r) != "none" else ""
+    return out + (f" O{_outliers(r)}" if _outliers(r) else "")
 
 
 def _label(r: dict) -> str:
@@ -459,7 +463,10 @@ def _passkey_label(r: dict) -> str:
 
 def _is_format(r: dict) -> bool:
     """A record of one of FORMATS (at any R: the simulated ones run at R=0)."""
-    return any(_matches(r, s.name, s.group_size, None, s.sinks, s.rotation) for s in FORMATS)
+    return any(
+        _matches(r, s.name, s.group_size, None, s.sinks, s.rotation, s.outlier_channels)
+        for s in FORMATS
+    )
 
 
 # (has sinks, is rotated) -> the marker of its points in plot_ppl; None: the protocol's.
@@ -872,9 +879,17 @@ def _passkey_tables(
     return out
 
 
-def _matches(x: dict, name: str, g: int | None, r: int | None, sinks: int, rotation: str) -> bool:
-    """Whether record x is of cache `name` with G=g, R=r (None: any), the sinks and rotation
-    (a record without the fields, from before they existed: no sinks, no rotation)."""
+def _matches(
+    x: dict,
+    name: str,
+    g: int | None,
+    r: int | None,
+    sinks: int,
+    rotation: str,
+    outliers: int = 0,
+) -> bool:
+    """Whether record x is of cache `name` with G=g, R=r (None: any), the sinks, rotation and
+    outlier channels (a record without the fields, from before they existed: none)."""
     if x.get("cache") != name:
         return False
     if name == "fp16":
@@ -884,6 +899,7 @@ def _matches(x: dict, name: str, g: int | None, r: int | None, sinks: int, rotat
         and (r is None or x.get("residual_length") == r)
         and _sinks(x) == sinks
         and _rotation(x) == rotation
+        and _outliers(x) == outliers
     )
 
 
@@ -905,7 +921,8 @@ def _find_rec(recs: list[dict], spec: CacheSpec, any_residual: bool = False) -> 
     """The first record of `spec` with a perplexity (any_residual: whatever its R)."""
     r = None if any_residual else spec.residual_length
     for x in recs:
-        if "ppl" in x and _matches(x, spec.name, spec.group_size, r, spec.sinks, spec.rotation):
+        knobs = (spec.sinks, spec.rotation, spec.outlier_channels)
+        if "ppl" in x and _matches(x, spec.name, spec.group_size, r, *knobs):
             return x
     return None
 
@@ -951,7 +968,8 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         rows.append(
             f"| {spec.name} | {'-' if dense else spec.group_size} | "
             f"{'-' if dense else spec.sinks} | {'-' if dense else spec.rotation} | "
-            f"{_fmt(bits)} | {_fmt(st and st['ppl'], 3)} | {rel} | {_fmt(si and si['ppl'], 3)} | "
+            f"{'-' if dense else spec.outlier_channels} | {_fmt(bits)} | "
+            f"{_fmt(st and st['ppl'], 3)} | {rel} | {_fmt(si and si['ppl'], 3)} | "
             + " | ".join("-" if pk[m] is None else f"{pk[m][0]}/{pk[m][1]}" for m in MODES)
             + " |"
         )
@@ -961,7 +979,7 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
     out = [
         "## Formats",
         "",
-        "The element formats, attention sinks and Hadamard rotation of "
+        "The element formats, attention sinks, Hadamard rotation and outlier key channels of "
         "[formats.md](formats.md) beside the KIVI caches: streaming perplexity at the grid's "
         f"P={r0['prefill']}, T={r0['decode']}, {r0['windows']} windows with R=128, simulated "
         "at R=0; bits per element of the quantized region (codes and scales). Passkey: keys "
@@ -969,10 +987,9 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         "caches on the Pareto front; - where not run), the whole prompt prefilled exactly "
         '("prefill") or the needle and what follows streamed through the cache ("streamed").',
         "",
-        "| cache | G | sinks | rotation | bits/elem | streaming ppl | vs fp16 | simulated ppl | "
-        + " | ".join(f"passkey {m}" for m in MODES)
-        + " |",
-        "|---|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(MODES),
+        "| cache | G | sinks | rotation | outlier channels | bits/elem | streaming ppl | vs fp16 "
+        "| simulated ppl | " + " | ".join(f"passkey {m}" for m in MODES) + " |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(MODES),
         *rows,
         "",
     ]
