@@ -62,12 +62,14 @@ def kivi_bytes(
     group_size,
     dtype_bytes=2,
     scale_bytes=2,
+    sinks=0,
 ) -> int:
     """Bytes one call reads from one layer: T quantized tokens' codes, scales and minimums of
-    keys and values, and R full-precision tokens of each."""
+    keys and values, and R full-precision tokens of each (and the N sinks, with `sinks`)."""
     codes = tokens * head_dim * (key_bits + value_bits) // 8
     scales = 2 * scale_bytes * (tokens // group_size * head_dim + head_dim // group_size * tokens)
-    return batch * kv_heads * (codes + scales + 2 * residual * head_dim * dtype_bytes)
+    exact = 2 * (residual + sinks) * head_dim * dtype_bytes
+    return batch * kv_heads * (codes + scales + exact)
 
 
 def dense_bytes(batch, kv_heads, head_dim, length, dtype_bytes=2) -> int:
@@ -100,9 +102,12 @@ def random_kivi_cache(
     residual: int = 128,
     dtype=jnp.bfloat16,
     lengths: Sequence[int] | None = None,
+    sinks: int = 0,
+    rotation: str = "none",
 ) -> kivi_jax.KiviCache:
-    """A `kivi_jax.KiviCache` (KIVI axes, fp16 scales) whose rows hold `lengths` tokens
-    (default tokens + residual each: T quantized, the newest R in the residual windows).
+    """A `kivi_jax.KiviCache` (KIVI axes, fp16 scales; `sinks` and `rotation` as
+    `kivi_jax.KiviConfig` takes them) whose rows hold `lengths` tokens (default tokens +
+    residual each: T quantized, the newest R in the residual windows).
 
     The store arrays are random: any byte is a valid packed code in the cache's layout, scales
     lie in [0.02, 0.2], minimums in [-0.5, 0], residual tokens are N(0, 1). Decode cost does
@@ -110,7 +115,12 @@ def random_kivi_cache(
     Raises ValueError unless the quantized part of a full row holds exactly `tokens` tokens.
     """
     config = kivi_jax.KiviConfig(
-        key_bits=key_bits, value_bits=value_bits, group_size=group_size, residual_length=residual
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        residual_length=residual,
+        sinks=sinks,
+        rotation=rotation,
     )
     if lengths is None:
         lengths = [tokens + residual] * batch
@@ -140,7 +150,8 @@ def random_kivi_cache(
 def _fill(key, config, dims, lengths):
     # Inside one jit the zeros of `init` are replaced before use, so they are never allocated.
     cache = kivi_jax.KiviCache.init(config, **dict(dims))
-    keys = jax.random.split(key, 8)
+    keys = jax.random.split(key, 10)
+    normal = lambda k, a: jax.random.normal(k, a.shape).astype(a.dtype)
 
     def fill(store, ks):
         u = lambda k, lo, hi: jax.random.uniform(k, store.scale.shape, jnp.float32, lo, hi)
@@ -149,11 +160,12 @@ def _fill(key, config, dims, lengths):
             codes=jax.random.bits(ks[0], store.codes.shape, jnp.uint8),
             scale=u(ks[1], 0.02, 0.2).astype(store.scale.dtype),
             minimum=u(ks[2], -0.5, 0.0).astype(store.minimum.dtype),
-            residual=jax.random.normal(ks[3], store.residual.shape).astype(store.residual.dtype),
+            residual=normal(ks[3], store.residual),
+            sink=None if store.sink is None else normal(ks[4], store.sink),
         )
 
     return dataclasses.replace(
-        cache, keys=fill(cache.keys, keys[:4]), values=fill(cache.values, keys[4:]), lengths=lengths
+        cache, keys=fill(cache.keys, keys[:5]), values=fill(cache.values, keys[5:]), lengths=lengths
     )
 
 

@@ -6,6 +6,7 @@ model makes it, against cuDNN fp16 attention over the same rows, on a grid of sh
     python -m bench.kernel_grid --anchor            # B=8, T=128k, 2-bit G=128 only
     python -m bench.kernel_grid --check             # the kernel against "reference" (GPU)
     python -m bench.kernel_grid --dry-run           # the CPU path: reference vs XLA, tiny
+    python -m bench.kernel_grid --kbg 2:32,2:64 --sinks 8 --rotate both  # best3 and best25
 
 What is timed: `kivi_jax.decode_attention(q, cache, layer, implementation="pallas")` (the
 kernel over the quantized region, the residual tail and their merge) on a `kivi_jax.KiviCache`
@@ -20,6 +21,9 @@ dispatch over the calls and nothing can overlap, be hoisted or be merged. Kernel
 alternate over --rounds rounds (ABBA) in one process; the per-call time is the median launch
 time over the rounds divided by --calls. TB/s: the bytes a call reads (codes, scales and
 minimums of T tokens, the R full-precision tokens; fp16 K and V for the baseline) per second.
+With --sinks N the first N positions are attended from their buffer beside the kernel (which
+skips them) and merged; with --rotate q is rotated before the call and the output after: both
+inside the timed call, as `decode_attention` runs them (docs/formats.md).
 
 Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_grid_hq32.json
 and kernel_grid_hq64.json: rows plus an `env` block with the date, GPU, driver, versions and
@@ -52,12 +56,24 @@ def kernel_tuning(cache: kivi_jax.KiviCache, q_heads: int) -> str:
 
 
 def measure(
-    batch, tokens, kbg, dense, *, hq, calls, rounds, kernel_impl, baseline_impl, masked
+    batch,
+    tokens,
+    kbg,
+    dense,
+    *,
+    hq,
+    calls,
+    rounds,
+    kernel_impl,
+    baseline_impl,
+    masked,
+    sinks=0,
+    rotation="none",
 ) -> dict:
     """One grid cell: the kernel chain and the baseline chain (`dense`: its K/V per layer),
     alternating; a results row."""
     kb, vb, g = kbg
-    nbytes = common.kivi_bytes(batch, KV_HEADS, HEAD_DIM, tokens, RESIDUAL, kb, vb, g)
+    nbytes = common.kivi_bytes(batch, KV_HEADS, HEAD_DIM, tokens, RESIDUAL, kb, vb, g, sinks=sinks)
     layers = common.layers_for(nbytes, calls)
     cache = common.random_kivi_cache(
         jax.random.key(batch * 7 + tokens + kb),
@@ -70,6 +86,8 @@ def measure(
         value_bits=vb,
         group_size=g,
         residual=RESIDUAL,
+        sinks=sinks,
+        rotation=rotation,
     )
     q = common.random_query(jax.random.key(1), batch, hq, HEAD_DIM)
     kvs, dense_dtype = dense
@@ -95,6 +113,8 @@ def measure(
         key_bits=kb,
         value_bits=vb,
         G=g,
+        sinks=sinks,
+        rotation=rotation,
         kernel=kernel_impl,
         baseline=baseline_impl,
         baseline_masked=masked,
@@ -129,6 +149,8 @@ def grid(
     masked=True,
     dense_dtype=jnp.float16,
     log=print,
+    sinks=0,
+    rotation="none",
 ) -> list[dict]:
     """Every (B, T) point with every bits/G configuration; the baseline's K/V built once per
     point and timed again beside each configuration."""
@@ -159,6 +181,8 @@ def grid(
                     kernel_impl=kernel_impl,
                     baseline_impl=baseline_impl,
                     masked=masked,
+                    sinks=sinks,
+                    rotation=rotation,
                 )
                 rows.append(row)
                 log(table_line(row))
@@ -166,7 +190,9 @@ def grid(
     return rows
 
 
-def check(kbgs, *, hq=32, implementation="pallas", batch=3, tokens=2048) -> tuple[list, bool]:
+def check(
+    kbgs, *, hq=32, implementation="pallas", batch=3, tokens=2048, sinks=0, rotation="none"
+) -> tuple[list, bool]:
     """`implementation` against "reference" on one small cache per configuration and query
     dtype, ragged rows (full, part-quantized, empty): max |o - o_ref| / max |o_ref| within 5e-3
     (fp16 q) or 1e-2 (bf16 q, whose output unit is 8x coarser), the same bits on a second run,
@@ -190,6 +216,8 @@ def check(kbgs, *, hq=32, implementation="pallas", batch=3, tokens=2048) -> tupl
             group_size=g,
             residual=RESIDUAL,
             lengths=lengths,
+            sinks=sinks,
+            rotation=rotation,
         )
         for dtype, tol in ((jnp.float16, 5e-3), (jnp.bfloat16, 1e-2)):
             q = common.random_query(jax.random.key(7 + i), len(lengths), hq, HEAD_DIM, dtype)
@@ -209,6 +237,8 @@ def check(kbgs, *, hq=32, implementation="pallas", batch=3, tokens=2048) -> tupl
                     key_bits=kb,
                     value_bits=vb,
                     G=g,
+                    sinks=sinks,
+                    rotation=rotation,
                     dtype=jnp.dtype(dtype).name,
                     rel_err=err,
                     tolerance=tol,
@@ -230,8 +260,11 @@ def tokens_label(t: int) -> str:
 
 
 def table_line(r: dict) -> str:
+    variant = f" S{r['sinks']}" if r.get("sinks") else ""
+    variant += f" rot={r['rotation']}" if r.get("rotation", "none") != "none" else ""
     return (
-        f"| {r['B']} | {tokens_label(r['T'])} | {r['key_bits']}/{r['value_bits']} | {r['G']} | "
+        f"| {r['B']} | {tokens_label(r['T'])} | {r['key_bits']}/{r['value_bits']} | "
+        f"{r['G']}{variant} | "
         f"{r['kernel_ms']:.4f} | {r['baseline_ms']:.4f} | {r['speedup']:.2f}x | "
         f"{r['kernel_TBps']:.2f} | {r['kernel_layers']}/{r['baseline_layers']} |"
     )
@@ -261,13 +294,21 @@ def main(argv=None) -> int:
         action="store_true",
         help="tiny shape, 'reference' against XLA attention: runs on CPU",
     )
+    ap.add_argument("--sinks", type=int, default=0, help="N sinks per row (best3, best25: 8)")
+    ap.add_argument(
+        "--rotate",
+        default="none",
+        choices=("none", "keys", "values", "both"),
+        help="Hadamard rotation of the cache (best3, best25: both)",
+    )
     ap.add_argument("--json", default=None, help="results file (rows and an env block)")
     a = ap.parse_args(argv)
+    knobs = dict(sinks=a.sinks, rotation=a.rotate)
     argv = sys.argv[1:] if argv is None else argv
     env = common.env_info(argv, "kernel_grid")
     kbgs = common.parse_kbg(a.kbg)
     if a.check:
-        rows, ok = check(kbgs, hq=a.hq)
+        rows, ok = check(kbgs, hq=a.hq, **knobs)
         for r in rows:
             print(r, flush=True)
         print("CHECK", "PASS" if ok else "FAIL")
@@ -297,6 +338,7 @@ def main(argv=None) -> int:
         masked=not a.no_mask,
         log=lambda line: print(line, flush=True),
         **impls,
+        **knobs,
     )
     if a.json:
         common.write_json(a.json, env=env, rows=rows)

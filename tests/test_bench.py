@@ -176,6 +176,28 @@ def test_kernel_grid_dry_run_writes_rows_and_env(tmp_path, capsys):
     assert "| 2 | 256 | 2/2 | 32 |" in capsys.readouterr().out
 
 
+def test_kernel_grid_times_sinks_and_rotation_inside_the_call(tmp_path, capsys):
+    """best3's knobs: the grid's cache holds filled sink buffers, the rows and the bytes count
+    them, and the timed call attends them (the output differs from the cache without)."""
+    out = tmp_path / "grid.json"
+    argv = ["--dry-run", "--sinks", "8", "--rotate", "both", "--json", str(out)]
+    assert kernel_grid.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["sinks"], row["rotation"]) == (8, "both")
+    assert row["kernel_bytes"] == common.kivi_bytes(2, 8, 128, 256, 128, 2, 2, 32, sinks=8)
+    assert "| 2 | 256 | 2/2 | 32 S8 rot=both |" in capsys.readouterr().out
+    dims = dict(layers=1, batch=2, kv_heads=2, head_dim=64, tokens=256, key_bits=2)
+    dims.update(value_bits=2, group_size=32, residual=32)
+    with_sinks = common.random_kivi_cache(jax.random.key(0), **dims, sinks=8, rotation="both")
+    plain = common.random_kivi_cache(jax.random.key(0), **dims, rotation="both")
+    assert with_sinks.keys.sink.shape == (1, 2, 2, 8, 64)
+    assert np.abs(np.asarray(with_sinks.values.sink, np.float32)).min() > 0
+    q = common.random_query(jax.random.key(1), 2, 4, 64)
+    attend = lambda c: np.asarray(kivi_jax.decode_attention(q, c, 0), np.float32)
+    assert np.isfinite(attend(with_sinks)).all()
+    assert not np.allclose(attend(with_sinks), attend(plain))
+
+
 def test_call_cost_dry_run_times_the_call_and_counts_its_launches(tmp_path, capsys):
     from bench import call_cost
 
