@@ -194,7 +194,7 @@ def _dense(q, qg, cache: DenseCache, layer, impl: str, scale: float) -> Array:
 def _kivi_reference(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     n = jnp.minimum(cache.lengths, cache.max_len)
     t = jnp.broadcast_to(jnp.arange(cache.keys.capacity), (cache.batch, cache.keys.capacity))
-    k = cache.keys.gather(layer, t, n)
+    k = cache.read_keys(cache.keys.gather(layer, t, n), t[:, None])
     v = cache.values.gather(layer, t, n)
     return _softmax_attend(qg, k, v, t < n[:, None])
 
@@ -283,6 +283,8 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
 
 
 def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
+    if cache.config.pre_rope:  # q.RoPE(k_t) rotates q per position: no folding
+        raise NotImplementedError("the folded form reads post-RoPE keys (pre_rope=False)")
     m = cache.quantized_split()
     main = quantized_region_folded(qg, cache.keys, cache.values, layer, m)
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
@@ -521,7 +523,8 @@ def _past_blocked(qg: Array, cache, layer) -> tuple[Array, Array]:
 
     def kv(t):  # positions t [B, block] -> K, V [B, Hkv, block, D] float32
         if isinstance(cache, KiviCache):
-            return cache.keys.gather(layer, t, n), cache.values.gather(layer, t, n)
+            k = cache.read_keys(cache.keys.gather(layer, t, n), t[:, None])
+            return k, cache.values.gather(layer, t, n)
         k, v = cache.layer_kv(layer)  # [B, T, Hkv, D]
         tc = jnp.clip(t, 0, cache.max_len - 1)[..., None, None]
         take = lambda x: jnp.take_along_axis(x, tc, axis=1).swapaxes(1, 2).astype(jnp.float32)
@@ -675,8 +678,9 @@ def chunk_attention(
     sharded = isinstance(cache, KiviCache) and cache.seq_axis is not None
     finish = lambda o: _unfold_chunk(o, c).astype(q.dtype)
     if isinstance(cache, KiviCache) and cache.config.rotation != "none":
-        # all of it in the stored basis (`KiviConfig.rotation`), the output rotated back
-        q, (k, v) = cache.rotate_query(q), cache._rotated(k, v)
+        # all of it in the stored basis (`KiviConfig.rotation`): the chunk's own keys in q's,
+        # its values in the stored values'; the output rotated back
+        q, k, v = cache.rotate_query(q), cache.rotate_query(k), cache.rotate_values(v)
         finish = lambda o: cache.unrotate_output(_unfold_chunk(o, c)).astype(q.dtype)
     impl = implementation
     if impl == "pallas" and not isinstance(cache, KiviCache):

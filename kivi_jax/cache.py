@@ -864,6 +864,21 @@ class _CacheOps:
         return layer, pos, valid
 
 
+def _key_rope(config: KiviConfig, head_dim: int, rope_frequencies) -> Array | None:
+    """`KiviCache.key_rope`: the RoPE frequencies [D/2] of a pre-RoPE cache, float32."""
+    if not config.pre_rope:
+        return None
+    if rope_frequencies is None:
+        raise ValueError("pre_rope=True needs the model's rope_frequencies [head_dim / 2]")
+    inv = np.asarray(rope_frequencies, np.float64)
+    if inv.shape != (head_dim // 2,) or not np.isfinite(inv).all():
+        raise ValueError(
+            f"rope_frequencies must be finite, shaped [head_dim / 2] = [{head_dim // 2}], got "
+            f"shape {inv.shape}"
+        )
+    return jnp.asarray(inv, jnp.float32)
+
+
 def _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype) -> None:
     dims = dict(
         num_layers=num_layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len
@@ -905,6 +920,8 @@ class KiviCache(_CacheOps):
     # stores hold positions [shard * capacity, (shard + 1) * capacity) and write only those
     # (`kivi_jax.parallel`); None everywhere else.
     seq_axis: str | None = dataclasses.field(default=None, metadata=static)
+    # [D/2] float32: the inverse frequencies of the keys' RoPE (`KiviConfig.pre_rope`), or None
+    key_rope: Array | None = None
 
     def _origin(self):
         """The position of this store's first quantized slot (0 unless sharded, `seq_axis`)."""
@@ -922,12 +939,17 @@ class KiviCache(_CacheOps):
         head_dim: int,
         max_len: int,
         dtype=jnp.bfloat16,
+        rope_frequencies=None,
     ) -> KiviCache:
-        """An empty cache for `max_len` tokens per row; residual windows in `dtype`."""
+        """An empty cache for `max_len` tokens per row; residual windows in `dtype`.
+        rope_frequencies [D/2]: the inverse frequencies of the model's RoPE (half-split layout,
+        `kivi_jax.rotation.rope`), which a cache of pre-RoPE keys (`KiviConfig.pre_rope`)
+        needs; other caches do not keep them."""
         if not isinstance(config, KiviConfig):
             raise ValueError(f"config must be a KiviConfig, got {type(config).__name__}")
         _check_init(num_layers, batch, kv_heads, head_dim, max_len, dtype)
         config.check_head_dim(head_dim)
+        key_rope = _key_rope(config, head_dim, rope_frequencies)
         g, r = config.group_size, config.residual_length
         cap = _round_up(max_len, max(BLOCK_TOKENS, g))
         common = dict(
@@ -955,7 +977,8 @@ class KiviCache(_CacheOps):
             )
 
         keys, values = store("key", False), store("value", True)
-        return KiviCache(keys, values, jnp.zeros((batch,), jnp.int32), config, int(max_len))
+        lengths = jnp.zeros((batch,), jnp.int32)
+        return KiviCache(keys, values, lengths, config, int(max_len), key_rope=key_rope)
 
     num_layers = property(lambda self: self.keys.residual.shape[0])
     batch = property(lambda self: self.keys.residual.shape[1])
@@ -971,14 +994,29 @@ class KiviCache(_CacheOps):
         """
         return _kivi_prefill(self, k, v, *self._prefill_lengths(k, v, lengths))
 
-    def _rotated(self, k: Array, v: Array) -> tuple[Array, Array]:
-        """k, v [..., D] as the stores hold them (`KiviConfig.rotation`), in their dtypes."""
-        turn = lambda x, on: rotation.rotate(x).astype(x.dtype) if on else x
-        return turn(k, self.config.rotates_keys), turn(v, self.config.rotates_values)
+    def _rotated(self, k: Array, v: Array, positions: Array) -> tuple[Array, Array]:
+        """k, v [..., D] at `positions` (broadcasting to k.shape[:-1]) as the stores hold them:
+        pre-RoPE keys (`KiviConfig.pre_rope`) and rotated (`KiviConfig.rotation`), in their
+        dtypes."""
+        if self.config.pre_rope:
+            k = rotation.rope(k, -positions, self.key_rope)
+        if self.config.rotates_keys:
+            k = rotation.rotate(k).astype(k.dtype)
+        return k, self.rotate_values(v)
+
+    def read_keys(self, k: Array, positions: Array) -> Array:
+        """Keys k [..., D] at `positions` (broadcasting to k.shape[:-1]) as read from the
+        stores (`QuantizedStore.gather`, `dense_layer`) -> the keys attention compares
+        `rotate_query(q)` with: as stored, except that pre-RoPE keys are rotated back into
+        the model's basis and RoPE is applied again, in float32."""
+        if not self.config.pre_rope:
+            return k
+        k = rotation.unrotate(k) if self.config.rotates_keys else k.astype(jnp.float32)
+        return rotation.rope(k, positions, self.key_rope)
 
     def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> KiviCache:
         origin = None if self.seq_axis is None else self._origin()
-        k, v = self._rotated(k, v)
+        k, v = self._rotated(k, v, jnp.arange(k.shape[3]))
         return dataclasses.replace(
             self,
             keys=self.keys.prefill(k, lengths, origin),
@@ -988,7 +1026,8 @@ class KiviCache(_CacheOps):
 
     def _extend(self, k: Array, v: Array, counts: Array, recorded: Array) -> KiviCache:
         n, o = self.lengths, self._origin()
-        k, v = self._rotated(k, v)
+        positions = n[:, None] + jnp.arange(k.shape[3])  # [B, C]
+        k, v = self._rotated(k, v, positions[:, None])
         cast = lambda x: x.astype(self.dtype)
         return dataclasses.replace(
             self,
@@ -1012,7 +1051,7 @@ class KiviCache(_CacheOps):
         `advance`, which starts the step for all layers)."""
         layer, pos, valid = self._check_token(layer, k, v)
         o = self._origin()
-        k, v = self._rotated(k, v)
+        k, v = self._rotated(k, v, pos[:, None])
         return dataclasses.replace(
             self,
             keys=self.keys.write(layer, pos, k, valid, o),
@@ -1035,6 +1074,7 @@ class KiviCache(_CacheOps):
             keys=self.keys.logical_axes(),
             values=self.values.logical_axes(),
             lengths=jax.P("batch"),
+            key_rope=None if self.key_rope is None else jax.P(None),
         )
 
     def layer_kv(self, layer, dtype=None) -> tuple[Array, Array]:
@@ -1042,18 +1082,28 @@ class KiviCache(_CacheOps):
         `DenseCache.layer_kv` gives them: dequantized, the newest positions from the windows
         (`QuantizedStore.dense_layer`); on a token shard (`seq_axis`) the shard's positions.
         Chunked prefill reads the past this way. With a rotation (`KiviConfig.rotation`) they
-        are as stored, rotated: attend with `rotate_query` and `unrotate_output`."""
+        are as stored, rotated: attend with `rotate_query` and `unrotate_output`; pre-RoPE keys
+        come back post-RoPE, in the model's basis (`read_keys`)."""
         n = jnp.minimum(self.lengths, self.max_len)
         dtype = self.dtype if dtype is None else dtype
         o = self._origin()
+        k = self.keys.dense_layer(layer, n, jnp.float32 if self.config.pre_rope else dtype, o)
+        positions = o + jnp.arange(self.keys.capacity)[:, None]  # [Tq, 1] against [B, Tq, H]
         return (
-            self.keys.dense_layer(layer, n, dtype, o),
+            self.read_keys(k, positions).astype(dtype),
             self.values.dense_layer(layer, n, dtype, o),
         )
 
     def rotate_query(self, q: Array) -> Array:
-        """q [..., D] in the basis of the stored keys (rotated when the keys are), q.dtype."""
-        return rotation.rotate(q).astype(q.dtype) if self.config.rotates_keys else q
+        """q [..., D] in the basis of the keys as read (`read_keys`: rotated when the keys are
+        and RoPE is not between, i.e. not for pre-RoPE keys), q.dtype."""
+        if self.config.rotates_keys and not self.config.pre_rope:
+            return rotation.rotate(q).astype(q.dtype)
+        return q
+
+    def rotate_values(self, v: Array) -> Array:
+        """v [..., D] in the basis of the stored values (rotated when they are), v.dtype."""
+        return rotation.rotate(v).astype(v.dtype) if self.config.rotates_values else v
 
     def unrotate_output(self, o: Array) -> Array:
         """An attention output [..., D] over the stored values back in the model's basis."""
@@ -1269,11 +1319,12 @@ def cache_config(
     sinks: int = 0,
     rotation: str = "none",
     outlier_channels: int = 0,
+    pre_rope: bool = False,
 ) -> KiviConfig | None:
     """The KiviConfig of a named cache ("kivi2", ...), or None for the dense "fp16" cache.
 
     group_size: None for the name's own (best3: 32, best25: 64), else DEFAULT_GROUP_SIZE; a name
-    that fixes it takes only the same value. `sinks`, `rotation` and `outlier_channels`
+    that fixes it takes only the same value. `sinks`, `rotation`, `outlier_channels`, `pre_rope`
     (`KiviConfig`) apply to every quantized name (a name that sets its own takes only the same
     value); the dense cache takes none. Raises ValueError for an unknown name or a conflicting
     knob."""
@@ -1282,11 +1333,12 @@ def cache_config(
         ("sinks", sinks, 0),
         ("rotation", rotation, "none"),
         ("outlier_channels", outlier_channels, 0),
+        ("pre_rope", pre_rope, False),
     )
     if name in DENSE_NAMES:
         if any(value != unset for key, value, unset in knobs[1:]):
             raise ValueError(
-                f"the dense {name!r} cache takes no sinks, rotation or outlier channels"
+                f"the dense {name!r} cache takes no sinks, rotation, outlier channels or pre_rope"
             )
         return None
     if name not in _NAMED:
@@ -1319,11 +1371,14 @@ def make_cache(
     sinks: int = 0,
     rotation: str = "none",
     outlier_channels: int = 0,
+    pre_rope: bool = False,
+    rope_frequencies=None,
 ) -> KiviCache | DenseCache:
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
     layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
     reads in place: `per_layer` does not apply to them), with `group_size`, `sinks`,
-    `rotation` and `outlier_channels` as `cache_config` takes them."""
+    `rotation`, `outlier_channels` and `pre_rope` as `cache_config` takes them;
+    `rope_frequencies` as `KiviCache.init` takes them (the model's: what pre_rope needs)."""
     config = cache_config(
         name,
         group_size,
@@ -1331,6 +1386,7 @@ def make_cache(
         sinks=sinks,
         rotation=rotation,
         outlier_channels=outlier_channels,
+        pre_rope=pre_rope,
     )
     dims = dict(
         num_layers=num_layers,
@@ -1342,4 +1398,4 @@ def make_cache(
     )
     if config is None:
         return DenseCache.init(**dims, per_layer=per_layer)
-    return KiviCache.init(config, **dims)
+    return KiviCache.init(config, **dims, rope_frequencies=rope_frequencies)

@@ -59,6 +59,10 @@ class KiviConfig:
     outlier_channels: K, per group of G tokens the K key channels of widest range kept in
       `scale_dtype` beside the codes (dense-and-sparse; `kivi_jax.quant.outlier_channels`).
       Integer per-channel keys only.
+    pre_rope: keys quantized before RoPE (KVQuant): the cache takes post-RoPE keys as always,
+      undoes RoPE before quantizing (per channel the groups then see each channel's own
+      values, not their rotation by position) and redoes it when read. Needs the model's
+      RoPE frequencies (`KiviCache.init(rope_frequencies=...)`); not read by the kernel.
     """
 
     key_bits: int = 2
@@ -73,6 +77,7 @@ class KiviConfig:
     sinks: int = 0
     rotation: str = "none"
     outlier_channels: int = 0
+    pre_rope: bool = False
 
     def __post_init__(self):
         for name in ("key_bits", "value_bits"):
@@ -91,6 +96,8 @@ class KiviConfig:
         k = self.outlier_channels
         if not is_int(k) or not 0 <= k < 256:  # < head_dim <= 256 (`check_head_dim`)
             raise ValueError(f"outlier_channels must be a non-negative int < 256, got {k!r}")
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"pre_rope must be a bool, got {self.pre_rope!r}")
         if k and (self.key_axis != "channel" or self.key_format != "int"):
             raise ValueError(
                 "outlier_channels keeps key channels of integer per-channel groups: "
@@ -136,10 +143,11 @@ class KiviConfig:
 
     @property
     def kernel_layout(self) -> bool:
-        """KIVI's axes and integer codes, no outlier channels: what the Pallas kernel reads
-        (sinks are attended beside it, a rotation around it: q before, the output after)."""
+        """KIVI's axes and integer codes, no outlier channels, post-RoPE keys: what the Pallas
+        kernel reads (sinks are attended beside it, a rotation around it: q before, the output
+        after)."""
         ints = self.key_format == self.value_format == "int"
-        return self.is_kivi and ints and not self.outlier_channels
+        return self.is_kivi and ints and not (self.outlier_channels or self.pre_rope)
 
     @property
     def plain_kivi(self) -> bool:

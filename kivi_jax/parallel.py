@@ -57,6 +57,8 @@ def _mesh_axis(rules: Mapping, name: str) -> str | None:
 def local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, interpret):
     """(o [B, Hkv, r, D], lse [B, Hkv, r]) of this device's quantized positions, and on the
     first shard of `seq_axis` the windows too."""
+    if cache.config.pre_rope:  # the windows are attended as stored (tail_attention)
+        raise NotImplementedError("sequence-parallel attention over pre-RoPE keys")
     shard = lax.axis_index(seq_axis)
     cap = cache.keys.capacity  # this shard's positions [shard * cap, (shard + 1) * cap)
     m = cache.quantized_split()  # global: lengths and windows are replicated over the axis

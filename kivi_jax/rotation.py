@@ -1,4 +1,6 @@
-"""The orthogonal rotation of keys and values before quantization (`KiviConfig.rotation`).
+"""The orthogonal rotations of keys and values: the Hadamard rotation before quantization
+(`KiviConfig.rotation`), and RoPE, which the models apply and a cache of pre-RoPE keys
+(`KiviConfig.pre_rope`) undoes before quantizing and redoes when read.
 
 R = diag(s) H / sqrt(D): H the D x D Sylvester Hadamard matrix, s a fixed pattern of signs
 (seeded by D, so every cache of a head size rotates alike). R is orthogonal, so rotating both q
@@ -55,3 +57,14 @@ def unrotate(x: Array) -> Array:
 def _check(d: int) -> None:
     if d < 1 or d & (d - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
+
+
+def rope(x: Array, positions: Array, inv_freq) -> Array:
+    """RoPE: x [..., D] rotated at integer `positions` (broadcasting to x.shape[:-1]) by the
+    inverse frequencies `inv_freq` [D/2], in x's dtype. Half-split layout, the HF
+    `rotate_half` convention: (x1 cos - x2 sin, x2 cos + x1 sin), angles in float32. The
+    rotation by -positions undoes it (up to rounding)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -129,9 +129,10 @@ def check_caches(
     sinks: int = 0,
     rotation: str = "none",
     outlier_channels: int = 0,
+    pre_rope: bool = False,
 ) -> None:
-    """Cache names and the G / R / sinks / rotation / outlier-channel flags, by the library's
-    own rule
+    """Cache names and the G / R / sinks / rotation / outlier-channel / pre-RoPE flags, by the
+    library's own rule
     (kivi_jax.cache_config; G None: each name's own).
 
     G and R are checked even when every cache is the dense fp16 one, which ignores them: a value
@@ -173,11 +174,14 @@ def check_caches(
         kivi_jax.KiviConfig(outlier_channels=outlier_channels)
     except ValueError as e:
         raise ValueError(f"--outlier-channels {outlier_channels}: {e}") from None
-    if (sinks or rotation != "none" or outlier_channels) and not quantized:
+    if (sinks or rotation != "none" or outlier_channels or pre_rope) and not quantized:
         raise ValueError(
-            "--sinks / --rotate / --outlier-channels apply to quantized caches, and none was named"
+            "--sinks / --rotate / --outlier-channels / --pre-rope apply to quantized caches, "
+            "and none was named"
         )
-    knobs = dict(sinks=sinks, rotation=rotation, outlier_channels=outlier_channels)
+    knobs = dict(
+        sinks=sinks, rotation=rotation, outlier_channels=outlier_channels, pre_rope=pre_rope
+    )
     for name in quantized:
         try:
             kivi_jax.cache_config(name, group_size, residual, **knobs)

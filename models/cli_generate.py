@@ -57,6 +57,11 @@ def generate(
         "--outlier-channels",
         help="Keep the K widest key channels of each group of G tokens in fp16 (quantized caches).",
     ),
+    pre_rope: bool = typer.Option(
+        False,
+        "--pre-rope",
+        help="Quantize keys before RoPE, apply it when read (quantized caches).",
+    ),
     implementation: str = typer.Option(
         "auto",
         "--implementation",
@@ -109,6 +114,7 @@ def generate(
             sinks=sinks,
             rotation=rotate,
             outlier_channels=outlier_channels,
+            pre_rope=pre_rope,
         )
         checks.check_dtype(dtype)
         checks.check_positive(max_new_tokens, "--max-new-tokens")
@@ -156,6 +162,7 @@ def generate(
         sinks=sinks,
         rotation=rotate,
         outlier_channels=outlier_channels,
+        pre_rope=pre_rope,
     )
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
     if not json_out:

@@ -49,7 +49,7 @@ import numpy as np
 from jax import Array
 
 import kivi_jax
-from kivi_jax import decode_attention
+from kivi_jax import decode_attention, rotation
 
 Params = dict
 static = dict(static=True)
@@ -291,11 +291,9 @@ def rope_frequencies(config: Gemma3Config, is_global: bool) -> np.ndarray:
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
-    """Rotate x [..., H, D] at `positions` (shape x.shape[:-2]); half-split (HF) layout."""
-    ang = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq, jnp.float32)
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    """Rotate x [..., H, D] at `positions` (shape x.shape[:-2]); half-split (HF) layout
+    (`kivi_jax.rotation.rope`)."""
+    return rotation.rope(x, positions[..., None], inv_freq)
 
 
 def _dense(x: Array, w: Array) -> Array:
@@ -437,6 +435,7 @@ class Gemma3Cache:
                 head_dim=c.head_dim,
                 max_len=max_len,
                 dtype=dtype,
+                rope_frequencies=rope_frequencies(c, is_global=True),
                 **cache_kw,
             )
         else:  # validates the name and knobs

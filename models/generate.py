@@ -56,6 +56,14 @@ def model_module(config):
     return gemma3 if isinstance(config, gemma3.Gemma3Config) else llama
 
 
+def key_rope_frequencies(config) -> np.ndarray:
+    """The RoPE inverse frequencies [D/2] of the keys a cache holds (Gemma 3: its global
+    layers'), what a cache of pre-RoPE keys needs (`kivi_jax.KiviConfig.pre_rope`)."""
+    if isinstance(config, gemma3.Gemma3Config):
+        return gemma3.rope_frequencies(config, is_global=True)
+    return llama.rope_frequencies(config)
+
+
 def _not_for_gemma3(config, what: str, why: str) -> None:
     if isinstance(config, gemma3.Gemma3Config):
         raise NotImplementedError(f"{what} is not implemented for Gemma 3 ({config.name}): {why}")
@@ -294,7 +302,7 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
     """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
     with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation,
-    outlier_channels. For a
+    outlier_channels, pre_rope (the model's RoPE frequencies go with it). For a
     Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
     if isinstance(config, gemma3.Gemma3Config):
         return gemma3.Gemma3Cache.init(
@@ -308,6 +316,7 @@ def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, 
         head_dim=config.head_dim,
         max_len=max_len,
         dtype=dtype,
+        rope_frequencies=key_rope_frequencies(config),
         **kw,
     )
 
@@ -319,11 +328,12 @@ def cache_nbytes(cache) -> int:
     return int(nb["total"] if isinstance(nb, dict) else nb.total)
 
 
-def _cache_kw(group_size, residual_length, params, sinks=0, rotation="none", outlier_channels=0):
+def _cache_kw(group_size, residual_length, params, **knobs):
+    """new_cache's keyword arguments: G and R where set, the knobs (sinks, rotation,
+    outlier_channels, pre_rope) where not their defaults."""
     # per-layer weights decode in an unrolled loop: a dense cache there holds a buffer per layer
     kw = {"per_layer": llama.is_unstacked(params)}
-    if sinks or rotation != "none" or outlier_channels:
-        kw.update(sinks=sinks, rotation=rotation, outlier_channels=outlier_channels)
+    kw.update({k: v for k, v in knobs.items() if v not in (0, "none", False)})
     if group_size is not None:
         kw["group_size"] = group_size
     if residual_length is not None:
@@ -443,6 +453,7 @@ def generate(
     sinks: int = 0,
     rotation: str = "none",
     outlier_channels: int = 0,
+    pre_rope: bool = False,
     mesh=None,
     rules=None,
     prefill_chunk: int | None = None,
@@ -450,8 +461,8 @@ def generate(
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths).
 
     cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype); group_size,
-    residual_length, sinks, rotation and outlier_channels as `kivi_jax.cache_config` takes
-    them. Rows stop
+    residual_length, sinks, rotation, outlier_channels and pre_rope as
+    `kivi_jax.cache_config` takes them. Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params)` to skip that copy on repeated calls.
@@ -503,7 +514,10 @@ def generate(
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     dtype = params["embed"].dtype
-    kw = _cache_kw(group_size, residual_length, params, sinks, rotation, outlier_channels)
+    knobs = dict(
+        sinks=sinks, rotation=rotation, outlier_channels=outlier_channels, pre_rope=pre_rope
+    )
+    kw = _cache_kw(group_size, residual_length, params, **knobs)
     if mesh is not None:
         if kivi_jax.cache_config(cache) is None:
             raise ValueError(f"generation over a mesh needs a KIVI cache, got {cache!r}")
@@ -593,6 +607,7 @@ def stream(
     sinks: int = 0,
     rotation: str = "none",
     outlier_channels: int = 0,
+    pre_rope: bool = False,
 ) -> Iterator[int]:
     """Yield generated token ids one by one (the stop token, if hit, is yielded last).
 
@@ -608,7 +623,15 @@ def stream(
         1,
         max_len,
         params["embed"].dtype,
-        **_cache_kw(group_size, residual_length, params, sinks, rotation, outlier_channels),
+        **_cache_kw(
+            group_size,
+            residual_length,
+            params,
+            sinks=sinks,
+            rotation=rotation,
+            outlier_channels=outlier_channels,
+            pre_rope=pre_rope,
+        ),
     )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
     rng = jax.random.key(seed)

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax import Array
 
-from kivi_jax import decode_attention
+from kivi_jax import decode_attention, rotation
 from kivi_jax.attention import chunk_attention
 from models.presets import ModelConfig
 
@@ -211,13 +211,7 @@ def apply_rope(x: Array, positions: Array, config: ModelConfig) -> Array:
     Angles in float32; the rotated halves are (x1 cos - x2 sin, x2 cos + x1 sin), the HF
     `rotate_half` convention (GGUF's interleaved Q/K rows are un-permuted by the loader).
     """
-    inv = jnp.asarray(rope_frequencies(config), jnp.float32)
-    ang = positions.astype(jnp.float32)[..., None, None] * inv  # [..., 1, D/2]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotation.rope(x, positions[..., None], rope_frequencies(config))
 
 
 def _dense(x: Array, w: Array) -> Array:

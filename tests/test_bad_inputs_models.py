@@ -466,6 +466,7 @@ CLI_FLAG_CASES = [
     (["eval", "passkey", "--cache", "fp16", "--outlier-channels", "2"], ["--outlier-channels",
      "quantized caches"]),
     (["generate", "-p", "hi", "--outlier-channels", "256"], ["--outlier-channels 256", "< 256"]),
+    (["eval", "ppl", "--cache", "fp16", "--pre-rope"], ["--pre-rope", "quantized caches"]),
     (["eval", "ppl", "--prefill", "0"], ["--prefill", "got 0"]),
     (["eval", "ppl", "--windows", "-1"], ["--windows", "got -1"]),
     (["eval", "ppl", "--batch-size", "0"], ["--batch-size", "got 0"]),

@@ -11,6 +11,12 @@ from jax.experimental import checkify
 import kivi_jax as kj
 
 L, H, D = 2, 2, 64
+ROPE = 1.0 / 10000 ** (np.arange(0, D, 2) / D)  # RoPE frequencies, for the pre-RoPE caches
+
+
+def _init(config, **kw):
+    """KiviCache.init with the RoPE frequencies a pre-RoPE config needs (others ignore them)."""
+    return kj.KiviCache.init(config, **kw, rope_frequencies=ROPE)
 
 
 def _random_kv(seed, b, s, d=D):
@@ -48,6 +54,9 @@ CONFIGS = [
     # outlier key channels, with sinks in the first group, and with no window
     kj.KiviConfig(2, 2, group_size=32, residual_length=64, sinks=3, outlier_channels=2),
     kj.KiviConfig(4, 2, group_size=64, residual_length=0, outlier_channels=5, rotation="keys"),
+    # keys quantized before RoPE, rotated or with outlier channels
+    kj.KiviConfig(2, 2, group_size=32, residual_length=64, sinks=3, rotation="both", pre_rope=True),
+    kj.KiviConfig(4, 2, group_size=64, residual_length=0, outlier_channels=1, pre_rope=True),
 ]
 
 
@@ -60,7 +69,7 @@ def test_streaming_appends_equal_bulk_prefill_bit_for_bit(config):
     b = len(starts)
     total = int(starts.max()) + steps
     k, v = _random_kv(0, b, total)
-    empty = kj.KiviCache.init(
+    empty = _init(
         config, num_layers=L, batch=b, kv_heads=H, head_dim=D, max_len=total + 5, dtype=jnp.float32
     )
     cache = empty.prefill(k, v, jnp.asarray(starts, jnp.int32))
@@ -90,7 +99,7 @@ def test_chunked_extends_equal_bulk_prefill_bit_for_bit(config):
     if config is None:
         empty = kj.DenseCache.init(**kw, dtype=jnp.float32)
     else:
-        empty = kj.KiviCache.init(config, **kw, dtype=jnp.float32)
+        empty = _init(config, **kw, dtype=jnp.float32)
     cache = empty.prefill(k, v, jnp.asarray(starts, jnp.int32))
     ends = starts.copy()
     for size, counts in chunks:
@@ -108,14 +117,18 @@ def test_layer_kv_reads_what_gather_reads(config):
     # gather, at every position each row holds (quantized, window, across block boundaries).
     k, v = _random_kv(2, 3, 600)
     n = jnp.array([600, 301, 5], jnp.int32)
-    cache = kj.KiviCache.init(
+    cache = _init(
         config, num_layers=L, batch=3, kv_heads=H, head_dim=D, max_len=600, dtype=jnp.float32
     ).prefill(k, v, n)
     got_k, got_v = cache.layer_kv(1)
     t = jnp.broadcast_to(jnp.arange(cache.keys.capacity), (3, cache.keys.capacity))
     held = np.asarray(t < n[:, None])
-    for got, store in ((got_k, cache.keys), (got_v, cache.values)):
-        want = np.asarray(store.gather(1, t, n).swapaxes(1, 2))
+    gathered = (
+        cache.read_keys(cache.keys.gather(1, t, n), t[:, None]),
+        cache.values.gather(1, t, n),
+    )
+    for got, want in zip((got_k, got_v), gathered, strict=True):
+        want = np.asarray(want.swapaxes(1, 2))
         np.testing.assert_array_equal(np.asarray(got)[held], want[held])
 
 
@@ -142,7 +155,7 @@ def test_prefill_leaves_the_kivi_split_of_full_and_residual_tokens():
     config = kj.KiviConfig(2, 2, group_size=32, residual_length=128)
     k, v = _random_kv(1, 3, 300)
     lengths = jnp.array([300, 127, 256], jnp.int32)
-    c = kj.KiviCache.init(
+    c = _init(
         config, num_layers=L, batch=3, kv_heads=H, head_dim=D, max_len=300, dtype=jnp.float32
     ).prefill(k, v, lengths)
     # keys: the whole blocks of R before the newest token's block are quantized (a full block
@@ -170,7 +183,7 @@ def test_quantized_tokens_sit_in_the_documented_layout():
 
     config = kj.KiviConfig(2, 4, group_size=32, residual_length=32)
     k, v = _random_kv(1, 1, 512)
-    c = kj.KiviCache.init(
+    c = _init(
         config, num_layers=L, batch=1, kv_heads=H, head_dim=D, max_len=512, dtype=jnp.float32
     ).prefill(k, v, jnp.array([512], jnp.int32))
     kc, ks, _ = minmax_quantize(k.reshape(L, 1, H, 16, 32, D), 2, axis=-2)
@@ -217,7 +230,7 @@ def test_quantized_tokens_sit_in_the_documented_layout():
 @pytest.mark.parametrize("config", CONFIGS[:4], ids=str)
 def test_nbytes_matches_the_formula(config):
     b, max_len = 3, 1000
-    c = kj.KiviCache.init(
+    c = _init(
         config, num_layers=4, batch=b, kv_heads=8, head_dim=D, max_len=max_len, dtype=jnp.bfloat16
     )
     tq = c.keys.capacity
@@ -239,9 +252,7 @@ def test_nbytes_matches_the_formula(config):
 
 def test_decode_steps_do_not_recompile():
     config = kj.KiviConfig(2, 2, group_size=32, residual_length=32)
-    c = kj.KiviCache.init(
-        config, num_layers=L, batch=2, kv_heads=H, head_dim=D, max_len=200, dtype=jnp.float32
-    )
+    c = _init(config, num_layers=L, batch=2, kv_heads=H, head_dim=D, max_len=200, dtype=jnp.float32)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(cache, k, v, q):

@@ -262,6 +262,13 @@ def test_report_old_records_without_sinks_or_rotation_still_match():
     assert report._spec_of(old) == CacheSpec("kivi2", 32, 128)
     assert report._label(old) == "kivi2 G32 R128"
     assert report._label(new) == "kivi2 G32 R128 S8 rot=both"
+    # outlier channels and pre-RoPE keys: told apart, named, keyed
+    pre = dict(new, pre_rope=True, outlier_channels=2)
+    spec = CacheSpec("kivi2", 32, 128, 8, "both", 2, True)
+    assert report._find_rec([new, pre], spec) is pre and report._spec_of(pre) == spec
+    assert report._find_rec([new], spec) is None
+    assert report._label(pre) == "kivi2 G32 R128 S8 rot=both O2 pre-RoPE"
+    assert report._spec_key(spec) == "kivi2/G32/R128/S8/rot=both/O2/preRoPE"
 
 
 def test_pareto_front():

@@ -233,15 +233,18 @@ ATTENTION_CONFIGS = [
         rotation="keys",
     ),  # fmt: skip
     kj.KiviConfig(2, 2, 32, 32, sinks=3, outlier_channels=3),
+    kj.KiviConfig(2, 2, 32, 32, sinks=3, rotation="both", pre_rope=True),
 ]
+ROPE = 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)  # RoPE frequencies at D = 64
 
 
 def _filled(cfg, lengths, seed=0, d=64, hkv=2):
     b, s = len(lengths), max(lengths)
     k, v = (jax.random.normal(jax.random.key(seed + i), (2, b, hkv, s, d)) for i in (0, 1))
     cache = kj.KiviCache.init(
-        cfg, num_layers=2, batch=b, kv_heads=hkv, head_dim=d, max_len=s + 8, dtype=jnp.float32
-    )
+        cfg, num_layers=2, batch=b, kv_heads=hkv, head_dim=d, max_len=s + 8, dtype=jnp.float32,
+        rope_frequencies=ROPE,
+    )  # fmt: skip
     return cache.prefill(k, v, jnp.asarray(lengths, jnp.int32)), k, v
 
 
@@ -250,7 +253,7 @@ def _held_model_basis(cache, layer, n):
     back into the model's basis."""
     k, v = (np.asarray(x, np.float64).swapaxes(1, 2) for x in cache.layer_kv(layer, jnp.float32))
     r = np.diag(rotation.signs(k.shape[-1])) @ _hadamard(k.shape[-1]) / np.sqrt(k.shape[-1])
-    if cache.config.rotates_keys:
+    if cache.config.rotates_keys and not cache.config.pre_rope:  # pre-RoPE: read unrotated
         k = k @ r.T
     if cache.config.rotates_values:
         v = v @ r.T
@@ -326,6 +329,7 @@ def test_chunk_attention_over_every_format(cfg):
             rotation="both",
         ),  # fmt: skip
         kj.KiviConfig(2, 2, 32, 0, sinks=3, rotation="keys", outlier_channels=2),
+        kj.KiviConfig(2, 2, 32, 0, sinks=3, rotation="both", pre_rope=True),
     ],
     ids=str,
 )
@@ -336,7 +340,7 @@ def test_simulated_transform_equals_the_caches_quantization(cfg):
     from models.eval.ppl import qdq_transform
 
     cache, k, v = _filled(cfg, [256], seed=11)
-    sk, sv = qdq_transform(cfg)(k[0], v[0])  # [B, Hkv, S, D] of layer 0
+    sk, sv = qdq_transform(cfg, ROPE)(k[0], v[0])  # [B, Hkv, S, D] of layer 0
     hk, hv = _held_model_basis(cache, 0, [256])
     nk = int(cache.keys.num_quantized(jnp.array([256]))[0])
     assert nk == (256 if cfg.key_axis == "token" else 224)
@@ -426,3 +430,74 @@ def test_bits_per_element_of_outlier_channels_needs_head_dim():
     assert kj.cache_config("best25", outlier_channels=1).outlier_channels == 1
     with pytest.raises(ValueError, match="no sinks, rotation or outlier channels"):
         kj.cache_config("fp16", outlier_channels=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys quantized before RoPE
+
+
+def _rope_np(x, t, inv):
+    """float64 RoPE of x [..., T, D] at positions t [T] (half-split layout)."""
+    ang = t[:, None] * inv
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    return np.concatenate(
+        [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1
+    )
+
+
+def test_rope_is_the_half_split_rotation():
+    x = np.random.default_rng(0).standard_normal((2, 40, 64)).astype(np.float32)
+    t = np.arange(40)
+    got = rotation.rope(jnp.asarray(x), jnp.asarray(t)[None], ROPE)
+    np.testing.assert_allclose(np.asarray(got), _rope_np(x, t, ROPE), atol=2e-5)
+    back = rotation.rope(got, -jnp.asarray(t)[None], ROPE)
+    np.testing.assert_allclose(np.asarray(back), x, atol=2e-5)
+
+
+def test_pre_rope_keys_quantize_each_channel_not_its_rotation():
+    # Keys whose channels are steady before RoPE (as real keys are, largely): RoPE turns each
+    # channel pair by the position, so per channel a group of post-RoPE keys spans the whole
+    # circle; before RoPE it spans the noise only.
+    rng = np.random.default_rng(1)
+    t = np.arange(512)
+    pre = rng.standard_normal((1, 1, 1, 1, 64)) * 3 + rng.standard_normal((1, 1, 1, 512, 64)) * 0.1
+    k = jnp.asarray(_rope_np(pre, t, ROPE), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 1, 1, 512, 64)), jnp.float32)
+    n = jnp.array([512], jnp.int32)
+    made = lambda pre_rope: kj.KiviCache.init(
+        kj.KiviConfig(2, 2, 32, 32, pre_rope=pre_rope), num_layers=1, batch=1, kv_heads=1,
+        head_dim=64, max_len=512, dtype=jnp.float32, rope_frequencies=ROPE,
+    ).prefill(k, v, n)  # fmt: skip
+    err = {
+        p: np.abs(np.asarray(made(p).layer_kv(0)[0][0, :480, 0]) - np.asarray(k[0, 0, 0, :480]))
+        for p in (False, True)
+    }
+    assert err[True].mean() * 5 < err[False].mean()  # both read back post-RoPE
+    # attention reads them at their positions: 8-bit pre-RoPE keys attend as the exact ones
+    cache8 = kj.KiviCache.init(
+        kj.KiviConfig(8, 8, 32, 32, pre_rope=True), num_layers=1, batch=1, kv_heads=1,
+        head_dim=64, max_len=512, dtype=jnp.float32, rope_frequencies=ROPE,
+    ).prefill(k, v, n)  # fmt: skip
+    dense = kj.DenseCache.init(
+        num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=512, dtype=jnp.float32
+    ).prefill(k, v, n)
+    q = jax.random.normal(jax.random.key(2), (1, 2, 64)) * 3
+    got = kj.decode_attention(q, cache8, 0, implementation="reference")
+    want = kj.decode_attention(q, dense, 0, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.02)
+    for impl in ("folded", "pallas"):  # they read post-RoPE keys, and decline by name
+        with pytest.raises(NotImplementedError):
+            kj.decode_attention(q, cache8, 0, implementation=impl, interpret=True)
+
+
+def test_pre_rope_needs_the_models_frequencies():
+    cfg = kj.KiviConfig(2, 2, 32, 32, pre_rope=True)
+    dims = dict(num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=64)
+    with pytest.raises(ValueError, match="needs the model's rope_frequencies"):
+        kj.KiviCache.init(cfg, **dims)
+    with pytest.raises(ValueError, match=r"shaped \[head_dim / 2\] = \[32\]"):
+        kj.KiviCache.init(cfg, **dims, rope_frequencies=ROPE[:8])
+    with pytest.raises(ValueError, match="pre_rope must be a bool"):
+        kj.KiviConfig(pre_rope=1)
+    assert kj.KiviCache.init(kj.KiviConfig(), **dims, rope_frequencies=ROPE).key_rope is None
+    assert not cfg.kernel_layout

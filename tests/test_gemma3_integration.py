@@ -41,12 +41,19 @@ def test_generate_and_stream_dispatch_on_gemma3(params):
 
 
 def test_generate_passes_sinks_and_rotation(params):
-    # sinks / rotation reach the global layers' cache (a bad value is refused by its config)
+    # sinks / rotation / pre-RoPE keys reach the global layers' cache (a bad value is refused
+    # by its config)
     kw = dict(group_size=32, residual_length=0, sinks=4, rotation="both")
     out = G.generate(params, TINY, PROMPTS, cache="kivi4", max_new_tokens=6, **kw)
     assert out.tokens == [_greedy_ref(params, p, 6, "kivi4", **kw) for p in PROMPTS]
     with pytest.raises(ValueError, match="rotation"):
         G.generate(params, TINY, PROMPTS, cache="kivi4", max_new_tokens=2, rotation="diagonal")
+    # pre-RoPE keys: the global layers' RoPE frequencies go with them
+    kw.update(pre_rope=True)
+    out = G.generate(params, TINY, PROMPTS, cache="kivi4", max_new_tokens=6, **kw)
+    assert out.tokens == [_greedy_ref(params, p, 6, "kivi4", **kw) for p in PROMPTS]
+    glob = g.Gemma3Cache.init("kivi4", TINY, batch=1, max_len=64, **kw).global_cache
+    np.testing.assert_allclose(glob.key_rope, g.rope_frequencies(TINY, is_global=True), rtol=1e-6)
 
 
 def test_mesh_and_prefill_chunk_are_not_implemented(params):

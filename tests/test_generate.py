@@ -79,13 +79,14 @@ def test_kivi_with_long_residual_equals_dense(smol, dense_greedy):
 
 
 def test_cache_knobs_reach_generate_and_stream(smol):
-    """Sinks, a rotation and outlier channels reach the cache of both decode paths: the
-    jitted loop and the streamed one give the same tokens, and the bytes held are those of
-    `make_cache` with the same knobs (which the outlier channels grow)."""
+    """Sinks, a rotation, outlier channels and pre-RoPE keys reach the cache of both decode
+    paths: the jitted loop and the streamed one give the same tokens, and the bytes held are
+    those of `make_cache` with the same knobs (which the outlier channels grow)."""
     import kivi_jax
 
     config, params, _ = smol
     knobs = dict(group_size=32, residual_length=32, sinks=4, rotation="both", outlier_channels=2)
+    knobs.update(pre_rope=True)
     ids = CASES[0]["ids"]
     out = G.generate(params, config, [ids], cache="kivi2", max_new_tokens=8, **knobs)
     streamed = list(G.stream(params, config, ids, cache="kivi2", max_new_tokens=8, **knobs))
@@ -98,6 +99,7 @@ def test_cache_knobs_reach_generate_and_stream(smol):
         max_len=out.max_len,
         dtype=params["embed"].dtype,
     )
+    dims.update(rope_frequencies=G.key_rope_frequencies(config))
     want = kivi_jax.make_cache("kivi2", **dims, **knobs).nbytes().total
     assert out.cache_bytes == want
     without = dict(knobs, outlier_channels=0)

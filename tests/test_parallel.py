@@ -130,6 +130,13 @@ def test_errors():
         kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=no_seq)
     with pytest.raises(ValueError, match="implementation"):
         kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=mesh, implementation="x")
+    pre = kj.KiviCache.init(
+        kj.KiviConfig(2, 2, 32, 128, pre_rope=True), num_layers=L, batch=4, kv_heads=HKV,
+        head_dim=D, max_len=1024, dtype=jnp.float32,
+        rope_frequencies=1.0 / 10000 ** (np.arange(0, D, 2) / D),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="pre-RoPE"):
+        kj.sequence_parallel_attention(q, shard_cache(pre, mesh, LONG_CONTEXT_RULES), 0, mesh=mesh)
 
 
 def _gathered_equal(a, b):

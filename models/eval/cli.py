@@ -37,6 +37,12 @@ OutliersOpt = Annotated[
         help="Keep the K widest key channels of each group of G tokens in fp16 (quantized caches)",
     ),
 ]
+PreRopeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pre-rope", help="Quantize keys before RoPE, apply it when read (quantized caches)"
+    ),
+]
 PrefillChunkOpt = typer.Option(
     "--prefill-chunk",
     help="Prefill this many tokens at a time through the cache (each chunk attends to the "
@@ -60,6 +66,7 @@ def ppl_cmd(
     sinks: SinksOpt = 0,
     rotate: RotateOpt = "none",
     outlier_channels: OutliersOpt = 0,
+    pre_rope: PreRopeOpt = False,
     prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
     decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
     windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
@@ -97,7 +104,9 @@ def ppl_cmd(
     from models.eval import ppl
 
     with checks.user_errors():  # every flag before the model loads
-        knobs = dict(sinks=sinks, rotation=rotate, outlier_channels=outlier_channels)
+        knobs = dict(
+            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
+        )
         checks.check_caches([cache], group_size, residual, **knobs)
         spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs)
         checks.check_dtype(dtype)
@@ -204,6 +213,7 @@ def passkey_cmd(
     sinks: SinksOpt = 0,
     rotate: RotateOpt = "none",
     outlier_channels: OutliersOpt = 0,
+    pre_rope: PreRopeOpt = False,
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="Needle depths in [0, 1]")] = "0,0.25,0.5,0.75,1",
     trials: Annotated[int, typer.Option(help="Keys per (length, depth) cell")] = 5,
@@ -240,7 +250,9 @@ def passkey_cmd(
 
     names = cache or ["fp16", "kivi2"]
     with checks.user_errors():  # every flag before the model loads
-        knobs = dict(sinks=sinks, rotation=rotate, outlier_channels=outlier_channels)
+        knobs = dict(
+            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
+        )
         checks.check_caches(names, group_size, residual, **knobs)
         checks.check_dtype(dtype)
         for value, flag in (

@@ -165,6 +165,7 @@ class CacheSpec:
     sinks: int = 0
     rotation: str = "none"
     outlier_channels: int = 0
+    pre_rope: bool = False
 
     @classmethod
     def named(
@@ -175,6 +176,7 @@ class CacheSpec:
         sinks=0,
         rotation="none",
         outlier_channels=0,
+        pre_rope=False,
     ):
         """A spec whose knobs apply where the cache is quantized (the dense one, compared beside
         them, takes none); group_size None: the name's own (`kivi_jax.cache_config`)."""
@@ -183,7 +185,8 @@ class CacheSpec:
         if name in kivi_jax.DENSE_NAMES:
             return cls(name, residual_length=residual_length)
         cfg = kivi_jax.cache_config(name, group_size, residual_length)
-        return cls(name, cfg.group_size, residual_length, sinks, rotation, outlier_channels)
+        knobs = (sinks, rotation, outlier_channels, pre_rope)
+        return cls(name, cfg.group_size, residual_length, *knobs)
 
     def knobs(self) -> dict:
         """The keyword arguments `kivi_jax.make_cache` and `kivi_jax.cache_config` take."""
@@ -193,6 +196,7 @@ class CacheSpec:
             sinks=self.sinks,
             rotation=self.rotation,
             outlier_channels=self.outlier_channels,
+            pre_rope=self.pre_rope,
         )
 
     def config(self):
@@ -217,6 +221,7 @@ class CacheSpec:
         """An empty cache for `model_config` (a `models.gemma3.Gemma3Cache` for Gemma 3)."""
         import kivi_jax
         from models import gemma3
+        from models.generate import key_rope_frequencies
 
         if isinstance(model_config, gemma3.Gemma3Config):
             return gemma3.Gemma3Cache.init(
@@ -230,6 +235,7 @@ class CacheSpec:
             head_dim=model_config.head_dim,
             max_len=max_len,
             dtype=dtype,
+            rope_frequencies=key_rope_frequencies(model_config),
             **self.knobs(),
         )
 
@@ -239,13 +245,14 @@ def bits_per_element(spec: CacheSpec, head_dim: int, dense_bits: int = 16) -> fl
     return float(dense_bits) if cfg is None else cfg.bits_per_element(head_dim)
 
 
-def qdq_transform(kivi_config) -> Callable | None:
+def qdq_transform(kivi_config, rope_frequencies=None) -> Callable | None:
     """kv_transform(k, v) replacing K, V [B, Hkv, S, D] by their quantize-dequantize image.
 
     Keys and values are quantized on the config's axes (groups of G tokens for "channel", of G
     channels for "token"). A token axis that is not a multiple of G is edge-padded (the last
     token repeated, which leaves the last group's min and max unchanged) and cut back after.
-    None for the dense cache (no transform).
+    Pre-RoPE keys (`KiviConfig.pre_rope`) are rotated back by `rope_frequencies` at positions
+    0 .. S-1 before and forward after, as the cache does. None for the dense cache.
     """
     if kivi_config is None:
         return None
@@ -275,12 +282,19 @@ def qdq_transform(kivi_config) -> Callable | None:
         codes, scale, aux = formats.encode(fmt, x.reshape(*lead, d // g, g), bits, cfg.scale_dtype)
         return formats.decode(fmt, codes, scale, aux, g).reshape(x.shape)
 
-    def qdq(x, fmt, bits, axis, rotate, outliers=0):
-        xr = rotation.rotate(x) if rotate else x.astype(jnp.float32)
+    if cfg.pre_rope and rope_frequencies is None:
+        raise ValueError("pre_rope=True needs the model's rope_frequencies")
+
+    def qdq(x, fmt, bits, axis, rotate, outliers=0, pre_rope=False):
+        pos = jnp.arange(x.shape[-2])
+        xp = rotation.rope(x, -pos, rope_frequencies) if pre_rope else x
+        xr = rotation.rotate(xp) if rotate else xp.astype(jnp.float32)
         y = qdq_int(xr, bits, axis, outliers) if fmt == "int" else qdq_float(xr, fmt, bits)
         if n_sinks:  # the first positions stay exact
-            y = jnp.where(jnp.arange(x.shape[-2])[:, None] < n_sinks, xr, y)
-        return (rotation.unrotate(y) if rotate else y).astype(x.dtype)
+            y = jnp.where(pos[:, None] < n_sinks, xr, y)
+        y = rotation.unrotate(y) if rotate else y
+        y = rotation.rope(y, pos, rope_frequencies) if pre_rope else y
+        return y.astype(x.dtype)
 
     def transform(k, v):
         return (
@@ -291,6 +305,7 @@ def qdq_transform(kivi_config) -> Callable | None:
                 cfg.key_axis,
                 cfg.rotates_keys,
                 cfg.outlier_channels,
+                cfg.pre_rope,
             ),
             qdq(v, cfg.value_format, cfg.value_bits, cfg.value_axis, cfg.rotates_values),
         )
@@ -442,10 +457,10 @@ def streaming_nll(
 
 @functools.lru_cache(maxsize=8)
 def _full_fn(model_config, prefill_len: int, kivi_config):
-    from models.generate import model_module
+    from models.generate import key_rope_frequencies, model_module
 
     prefill = model_module(model_config).prefill  # Gemma 3: the global layers transformed
-    transform = qdq_transform(kivi_config)
+    transform = qdq_transform(kivi_config, key_rope_frequencies(model_config))
 
     def run(params, windows):
         b, w = windows.shape

@@ -59,6 +59,10 @@ FORMATS = (
     ),
     CacheSpec("pertoken2", 32, 128, rotation="both"),
     CacheSpec("k4v2", 64, 128, sinks=8),
+    # outlier key channels, without and with the rotation; keys quantized before RoPE
+    CacheSpec("kivi2", 64, 128, 8, outlier_channels=3),
+    CacheSpec("kivi2", 64, 128, 8, "both", outlier_channels=3),
+    *(CacheSpec("kivi2", g, 128, 8, "both", pre_rope=True) for g in (32, 64)),
 )
 # The rows of the report's Formats table and the candidates of its Pareto front.
 FORMAT_ROWS = (
@@ -102,6 +106,8 @@ def _spec_key(s: CacheSpec) -> str:
         key += f"/rot={s.rotation}"
     if s.outlier_channels:
         key += f"/O{s.outlier_channels}"
+    if s.pre_rope:
+        key += "/preRoPE"
     return key
 
 
@@ -206,6 +212,7 @@ def _spec_of(r: dict) -> CacheSpec:
         r.get("sinks") or 0,
         r.get("rotation") or "none",
         _outliers(r),
+        _pre_rope(r),
     )
 
 
@@ -406,6 +413,7 @@ def _describe_loose(spec: CacheSpec) -> dict:
         "sinks": spec.sinks,
         "rotation": spec.rotation,
         "outlier_channels": spec.outlier_channels,
+        "pre_rope": spec.pre_rope,
     }
     try:
         cfg = kivi_jax.cache_config(spec.name, **spec.knobs())
@@ -442,12 +450,17 @@ def _outliers(r: dict) -> int:
     return r.get("outlier_channels") or 0  # records written before outlier channels: none
 
 
+def _pre_rope(r: dict) -> bool:
+    return bool(r.get("pre_rope"))  # records written before pre-RoPE keys: post-RoPE
+
+
 def _variant(r: dict) -> str:
     """A record's sinks, rotation and outlier channels where set, e.g. " S8 rot=both O3" (""
     for a plain cache)."""
     out = f" S{_sinks(r)}" if _sinks(r) else ""
     out += f" rot={_rotation(r)}" if _rotation(r) != "none" else ""
-    return out + (f" O{_outliers(r)}" if _outliers(r) else "")
+    out += f" O{_outliers(r)}" if _outliers(r) else ""
+    return out + (" pre-RoPE" if _pre_rope(r) else "")
 
 
 def _label(r: dict) -> str:
@@ -463,10 +476,7 @@ def _passkey_label(r: dict) -> str:
 
 def _is_format(r: dict) -> bool:
     """A record of one of FORMATS (at any R: the simulated ones run at R=0)."""
-    return any(
-        _matches(r, s.name, s.group_size, None, s.sinks, s.rotation, s.outlier_channels)
-        for s in FORMATS
-    )
+    return any(_matches(r, s.name, s.group_size, None, *_knobs(s)) for s in FORMATS)
 
 
 # (has sinks, is rotated) -> the marker of its points in plot_ppl; None: the protocol's.
@@ -887,9 +897,11 @@ def _matches(
     sinks: int,
     rotation: str,
     outliers: int = 0,
+    pre_rope: bool = False,
 ) -> bool:
-    """Whether record x is of cache `name` with G=g, R=r (None: any), the sinks, rotation and
-    outlier channels (a record without the fields, from before they existed: none)."""
+    """Whether record x is of cache `name` with G=g, R=r (None: any), the sinks, rotation,
+    outlier channels and pre-RoPE keys (a record without the fields, from before they
+    existed: none)."""
     if x.get("cache") != name:
         return False
     if name == "fp16":
@@ -900,7 +912,13 @@ def _matches(
         and _sinks(x) == sinks
         and _rotation(x) == rotation
         and _outliers(x) == outliers
+        and _pre_rope(x) == pre_rope
     )
+
+
+def _knobs(spec: CacheSpec) -> tuple:
+    """A spec's sinks, rotation, outlier channels and pre-RoPE flag, as `_matches` takes them."""
+    return spec.sinks, spec.rotation, spec.outlier_channels, spec.pre_rope
 
 
 def _find(
@@ -921,8 +939,7 @@ def _find_rec(recs: list[dict], spec: CacheSpec, any_residual: bool = False) -> 
     """The first record of `spec` with a perplexity (any_residual: whatever its R)."""
     r = None if any_residual else spec.residual_length
     for x in recs:
-        knobs = (spec.sinks, spec.rotation, spec.outlier_channels)
-        if "ppl" in x and _matches(x, spec.name, spec.group_size, r, *knobs):
+        if "ppl" in x and _matches(x, spec.name, spec.group_size, r, *_knobs(spec)):
             return x
     return None
 
