@@ -6,7 +6,8 @@ model makes it, against cuDNN fp16 attention over the same rows, on a grid of sh
     python -m bench.kernel_grid --anchor            # B=8, T=128k, 2-bit G=128 only
     python -m bench.kernel_grid --check             # the kernel against "reference" (GPU)
     python -m bench.kernel_grid --dry-run           # the CPU path: reference vs XLA, tiny
-    python -m bench.kernel_grid --kbg 2:32,2:64 --sinks 8 --rotate both  # best3 and best25
+    python -m bench.kernel_grid --kbg 2:32,2:64 --sinks 8 --rotate both  # best3 / best25's
+                                                    # knobs with post-RoPE keys
 
 What is timed: `kivi_jax.decode_attention(q, cache, layer, implementation="pallas")` (the
 kernel over the quantized region, the residual tail and their merge) on a `kivi_jax.KiviCache`

@@ -177,8 +177,9 @@ def test_kernel_grid_dry_run_writes_rows_and_env(tmp_path, capsys):
 
 
 def test_kernel_grid_times_sinks_and_rotation_inside_the_call(tmp_path, capsys):
-    """best3's knobs: the grid's cache holds filled sink buffers, the rows and the bytes count
-    them, and the timed call attends them (the output differs from the cache without)."""
+    """best3 / best25's knobs: the grid's cache holds filled sink buffers, the rows and the
+    bytes count them, and the timed call attends them (the output differs from the cache
+    without)."""
     out = tmp_path / "grid.json"
     argv = ["--dry-run", "--sinks", "8", "--rotate", "both", "--json", str(out)]
     assert kernel_grid.main(argv) == 0

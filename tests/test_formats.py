@@ -352,6 +352,7 @@ def test_best_named_caches_fix_their_group_and_bits():
     best3, best25 = kj.cache_config("best3"), kj.cache_config("best25")
     assert best3.bits_per_element() <= 3.0 and best25.bits_per_element() <= 2.5
     assert (best3.sinks, best3.rotation, best25.group_size) == (8, "both", 64)
+    assert best3.pre_rope and best25.pre_rope and not best3.kernel_layout  # not the kernel's
     assert kj.cache_config("best25", 64) == best25  # the same G is accepted
     with pytest.raises(ValueError, match="defined with group_size=64"):
         kj.cache_config("best25", 32)
