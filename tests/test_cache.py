@@ -353,9 +353,11 @@ def test_named_caches():
     assert kj.cache_config("k4v2", 64, 0) == kj.KiviConfig(4, 2, 64, 0)
     assert kj.cache_config("pertoken2").key_axis == "token"
     assert kj.cache_config("valchannel2").value_axis == "channel"
-    for name in kj.CACHE_NAMES:
-        c = kj.make_cache(name, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8)
-        assert c.nbytes().total > 0
+    dims = dict(num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8)
+    for name in kj.CACHE_NAMES:  # the model's RoPE frequencies: what pre-RoPE caches need
+        assert kj.make_cache(name, **dims, rope_frequencies=ROPE).nbytes().total > 0
+    with pytest.raises(ValueError, match="pre_rope=True needs the model's rope_frequencies"):
+        kj.make_cache("best3", **dims)
 
 
 def test_cache_is_a_pytree_with_static_config():
