@@ -429,7 +429,7 @@ def test_bits_per_element_of_outlier_channels_needs_head_dim():
     with pytest.raises(ValueError, match=r"needs head_dim in \(8, 256\]"):
         kj.KiviConfig(2, 2, 8, outlier_channels=8).check_head_dim(8)
     assert kj.cache_config("best25", outlier_channels=1).outlier_channels == 1
-    with pytest.raises(ValueError, match="no sinks, rotation or outlier channels"):
+    with pytest.raises(ValueError, match="no sinks, rotation, outlier channels or pre_rope"):
         kj.cache_config("fp16", outlier_channels=1)
 
 
