@@ -50,6 +50,7 @@ from jax import Array
 
 import kivi_jax
 from kivi_jax import decode_attention, rotation
+from models.llama import projections
 
 Params = dict
 static = dict(static=True)
@@ -309,9 +310,11 @@ def _qkv(lp: Params, h: Array, config: Gemma3Config, positions: Array, is_global
     per-head RMSNorm of q and k, then RoPE with the layer's base."""
     c = config
     dt = h.dtype
-    q = _dense(h, lp["wq"]).astype(dt).reshape(*h.shape[:-1], c.num_heads, c.head_dim)
-    k = _dense(h, lp["wk"]).astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
-    v = _dense(h, lp["wv"]).astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
+    widths = (c.num_heads * c.head_dim,) + (c.num_kv_heads * c.head_dim,) * 2
+    q, k, v = projections(lp, h, "wqkv", widths)
+    q = q.astype(dt).reshape(*h.shape[:-1], c.num_heads, c.head_dim)
+    k = k.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
+    v = v.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
     q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
     k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     inv = rope_frequencies(c, is_global)
@@ -326,7 +329,7 @@ def _attn_out(lp: Params, x: Array, o: Array, config: Gemma3Config) -> Array:
 
 def _mlp(lp: Params, x: Array, config: Gemma3Config) -> Array:
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    gate, up = _dense(h, lp["w_gate"]), _dense(h, lp["w_up"])
+    gate, up = projections(lp, h, "w_gate_up", (config.intermediate_size,) * 2)
     act = (jax.nn.gelu(gate, approximate=True) * up).astype(x.dtype)
     y = _dense(act, lp["w_down"]).astype(x.dtype)
     return x + rms_norm(y, lp["post_mlp_norm"], config.rms_norm_eps)

@@ -14,12 +14,14 @@ stacked on a leading L axis so the layer loop is one `lax.scan` and compiles onc
     lm_head      [d, V] (absent when tie_embeddings)
 
 `unstack_layers` turns `layers` into a tuple of L per-layer dicts (the same arrays without the
-L axis); `forward` and `decode_step` then run the layers as an unrolled Python loop. That is the
-layout to decode with on GPUs: inside a scan each layer's weights are a dynamic slice of the
-stacked arrays, and XLA copies every slice before its GEMM, so a decode step moves the weights
-through memory three times (docs/generation.md: a Llama-3-8B step at batch 1 takes
-14.5 ms with the scan, 7.7-8.0 ms with per-layer weights). `models.generate` unstacks on
-GPU backends.
+L axis); `forward` and `decode_step` then run the layers as an unrolled Python loop.
+`fuse_projections` also joins the matrices that read the same input: wq|wk|wv as
+wqkv [d, (Hq + 2 Hkv) D] (biases bqkv) and w_gate|w_up as w_gate_up [d, 2F]; every function
+here takes either form. Per-layer fused weights are the layout to decode with on GPUs
+(`models.generate.decode_layout`): inside a scan each layer's weights are a dynamic slice of
+the stacked arrays, and XLA copies every slice before its GEMM, so a decode step moves the
+weights through memory three times (docs/generation.md: a Llama-3-8B step at batch 1 takes
+14.5 ms with the scan, 7.7-8.0 ms with per-layer weights).
 
 The KV cache is passed in and returned (never module state). Prefill attends in full precision
 (`jax.nn.dot_product_attention`, cuDNN where it applies) and then hands the post-RoPE K/V to
@@ -150,6 +152,56 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "layers": tuple({k: split[k][i] for k in layers} for i in range(n))}
 
 
+# The fused matrices (`fuse_projections`): name -> the matrices joined along their output axis.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_projections(params: Params) -> Params:
+    """Per-layer params (`unstack_layers`) whose projections of one input are one matrix each:
+    wqkv = [wq | wk | wv] [d, (Hq + 2 Hkv) D], bqkv likewise, w_gate_up = [w_gate | w_up]
+    [d, 2F] (`FUSED`). At decode batch sizes a GEMM reads its weights once per step whatever its
+    width, and narrow ones (k and v: Hkv D columns) read them slower than a wide one; fused, a
+    layer runs three GEMMs and launches instead of six. The outputs are the same sums.
+
+    Takes stacked or per-layer params (a no-op where the layers are already fused). Each fused
+    matrix is built from the stacked slices directly: one new copy of the weights, as
+    `unstack_layers` makes; the caller that wants the memory back drops the old params."""
+    layers = params["layers"]
+    per_layer = is_unstacked(params)
+    first = layers[0] if per_layer else layers
+    if any(name in first for name in FUSED):
+        return params
+    n = len(layers) if per_layer else next(iter(layers.values())).shape[0]
+    layer = (lambda i: layers[i]) if per_layer else (lambda i: {k: v[i] for k, v in layers.items()})
+    join = jax.jit(lambda *ws: jnp.concatenate(ws, axis=-1))
+    out = []
+    for i in range(n):
+        lp = layer(i)
+        fused = {
+            name: join(*(lp[p] for p in parts))
+            for name, parts in FUSED.items()
+            if all(p in lp for p in parts)
+        }
+        joined = {p for name in fused for p in FUSED[name]}
+        out.append({**{k: v for k, v in lp.items() if k not in joined}, **fused})
+    return {**params, "layers": tuple(out)}
+
+
+def projections(lp: Params, h: Array, fused: str, widths: tuple[int, ...]) -> list[Array]:
+    """h [..., d] times each matrix of FUSED[fused] (float32 [..., width] each): one GEMM of
+    lp[fused] split along its columns where the layers are fused, else one GEMM each."""
+    if fused in lp:
+        return jnp.split(_dense(h, lp[fused]), np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return [_dense(h, lp[p]) for p in FUSED[fused]]
+
+
+def _biases(lp: Params, widths: tuple[int, ...]) -> list[Array]:
+    """The q/k/v biases (float32), from bqkv where the layers are fused."""
+    if "bqkv" in lp:
+        return jnp.split(lp["bqkv"].astype(jnp.float32), np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return [lp[p].astype(jnp.float32) for p in FUSED["bqkv"]]
+
+
 def stack_layers(params: Params) -> Params:
     """Inverse of `unstack_layers`: `layers` as one dict of [L, ...] arrays."""
     if not is_unstacked(params):
@@ -221,11 +273,11 @@ def _dense(x: Array, w: Array) -> Array:
 def _qkv(lp: Params, h: Array, config: ModelConfig, positions: Array):
     """q [..., Hq, D], k/v [..., Hkv, D] for normed hidden states h [..., d], RoPE applied."""
     c = config
-    q, k, v = _dense(h, lp["wq"]), _dense(h, lp["wk"]), _dense(h, lp["wv"])
+    widths = (c.num_heads * c.head_dim,) + (c.num_kv_heads * c.head_dim,) * 2
+    q, k, v = projections(lp, h, "wqkv", widths)
     if c.qkv_bias:
-        q = q + lp["bq"].astype(jnp.float32)
-        k = k + lp["bk"].astype(jnp.float32)
-        v = v + lp["bv"].astype(jnp.float32)
+        bq, bk, bv = _biases(lp, widths)
+        q, k, v = q + bq, k + bk, v + bv
     dt = h.dtype
     q = q.astype(dt).reshape(*h.shape[:-1], c.num_heads, c.head_dim)
     k = k.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
@@ -235,7 +287,7 @@ def _qkv(lp: Params, h: Array, config: ModelConfig, positions: Array):
 
 def _mlp(lp: Params, x: Array, config: ModelConfig) -> Array:
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    gate, up = _dense(h, lp["w_gate"]), _dense(h, lp["w_up"])
+    gate, up = projections(lp, h, "w_gate_up", (config.intermediate_size,) * 2)
     act = (jax.nn.silu(gate) * up).astype(x.dtype)
     return x + _dense(act, lp["w_down"]).astype(x.dtype)
 

@@ -23,6 +23,7 @@ import pytest
 from gemma3_helpers import TINY, tiny_params
 
 from models import gemma3 as g
+from models import llama
 from models.gguf_loader import GGUFError
 
 FIX = Path(__file__).parent / "fixtures"
@@ -83,11 +84,16 @@ def test_check_params_names_the_problem():
 # Tiny random weights: the cache paths against one full forward pass.
 
 
-def _decode_vs_forward(config, name, lengths, steps, *, tol, impl="reference", **cache_kw):
-    p = tiny_params(config)
+def _decode_vs_forward(
+    config, name, lengths, steps, *, tol, impl="reference", layout=None, **cache_kw
+):
+    """The cache's prefill and decode steps against one full forward pass; `layout` (e.g.
+    llama.fuse_projections) turns the params the cache's path runs with."""
+    full_p = tiny_params(config)
+    p = layout(full_p) if layout else full_p
     B, S = len(lengths), max(lengths) + steps
     toks = jax.random.randint(jax.random.key(1), (B, S), 0, config.vocab_size)
-    full, _ = g.prefill(p, config, toks, jnp.full((B,), S), None, all_logits=True)
+    full, _ = g.prefill(full_p, config, toks, jnp.full((B,), S), None, all_logits=True)
     lengths = jnp.asarray(lengths, jnp.int32)
     cache = g.Gemma3Cache.init(name, config, batch=B, max_len=64, dtype=jnp.float32, **cache_kw)
     logits, cache = g.prefill(p, config, toks[:, : int(lengths.max())], lengths, cache)
@@ -106,6 +112,11 @@ def _decode_vs_forward(config, name, lengths, steps, *, tol, impl="reference", *
 def test_dense_decode_equals_forward_ragged_past_window():
     # Rows of 7 and 3 prompt tokens, window 5: the rings wrap during prefill and decode.
     _decode_vs_forward(TINY, "fp16", [7, 3], 12, tol=2e-5)
+
+
+def test_fused_projections_compute_the_same_model():
+    """Per-layer weights with q|k|v and gate|up joined (the decode layout on GPUs)."""
+    _decode_vs_forward(TINY, "fp16", [7, 3], 6, tol=2e-5, layout=llama.fuse_projections)
 
 
 @pytest.mark.parametrize("impl", ["reference", "folded"])

@@ -66,6 +66,16 @@ def test_gpu_windows_match_reference(case):
     run_case(case, 3, False)
 
 
+@pytest.mark.parametrize("skip", [8, 300])
+@pytest.mark.parametrize(
+    "case", [GPU_WINDOW_CASES[0], GPU_CASES[0]], ids=ids([GPU_WINDOW_CASES[0], GPU_CASES[0]])
+)
+def test_gpu_skip_matches_reference(case, skip):
+    """Positions [0, skip) left out (a cache's sinks), natively: within the first step and
+    past whole steps, with the windows in the kernel and without."""
+    run_case(case, 9, False, skip=skip)
+
+
 @pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))
 def test_gpu_matches_reference_and_is_deterministic(case):
     B, Hq, Hkv, D, Tq = case.B, case.Hq, case.Hkv, case.D, case.T

@@ -242,13 +242,34 @@ def test_unstack_layers_round_trip_and_checks(tiny_params):
         llama.check_params({**un, "layers": bad}, TINY)
 
 
+def test_fuse_projections_joins_the_matrices_of_one_input(tiny_params):
+    fused = llama.fuse_projections(tiny_params)
+    assert llama.is_unstacked(fused) and llama.fuse_projections(fused) is fused
+    lp, c = fused["layers"][1], TINY
+    q, kv, F = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    assert not {"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"} & set(lp)
+    assert lp["wqkv"].shape == (c.hidden_size, q + 2 * kv) and lp["bqkv"].shape == (q + 2 * kv,)
+    assert lp["w_gate_up"].shape == (c.hidden_size, 2 * F)
+    st = tiny_params["layers"]
+    np.testing.assert_array_equal(lp["wqkv"][:, q : q + kv], st["wk"][1])
+    np.testing.assert_array_equal(lp["bqkv"][q + kv :], st["bv"][1])
+    np.testing.assert_array_equal(lp["w_gate_up"][:, F:], st["w_up"][1])
+    # from per-layer params the same arrays
+    again = llama.fuse_projections(llama.unstack_layers(tiny_params))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(fused), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "fused"])
 @pytest.mark.parametrize("cache_name", ["fp16", "fp16-per-layer", "kivi2"])
-def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name):
-    """The unrolled loop over per-layer weights is the same model as the scan: prefill logits
-    and cache, then decode steps through a short KIVI window (so quantized groups are read).
-    fp16-per-layer: the unrolled loop over a dense cache with one buffer per layer."""
+def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name, layout):
+    """The unrolled loop over per-layer weights (projections fused or not) is the same model
+    as the scan: prefill logits and cache, then decode steps through a short KIVI window (so
+    quantized groups are read). fp16-per-layer: the unrolled loop over a dense cache with one
+    buffer per layer."""
     cfg, B, S, P = TINY, 2, 40, 30
-    un = llama.unstack_layers(tiny_params)
+    split = llama.fuse_projections if layout == "fused" else llama.unstack_layers
+    un = split(tiny_params)
     toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
     kw = dict(group_size=16, residual_length=16) if cache_name == "kivi2" else {}
     name = cache_name.removesuffix("-per-layer")
@@ -287,7 +308,10 @@ def test_generate_takes_either_layout(tiny_params, monkeypatch):
     if jax.default_backend() != "gpu":
         assert G.decode_layout(tiny_params) is tiny_params  # CPUs: the stacked scan
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert llama.is_unstacked(G.decode_layout(tiny_params))
+    gpu = G.decode_layout(tiny_params)  # per-layer, projections fused
+    assert llama.is_unstacked(gpu) and "wqkv" in gpu["layers"][0]
+    monkeypatch.undo()
+    assert G.generate(gpu, TINY, prompts, cache="kivi2", max_new_tokens=6).tokens == a.tokens
 
 
 # -- sampling --------------------------------------------------------------------------------
