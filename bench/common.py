@@ -345,12 +345,13 @@ def write_json(path: str | Path, **content) -> Path:
 
 
 def cache_tuning(cache, q_heads: int):
-    """The launch the kernel chooses for this cache and q_heads query heads (what
-    decode_attention's tuning=None gives)."""
-    from pallas_kernels.kivi_decode import choose_tuning
+    """The launch the kernel runs for this cache and q_heads query heads (what
+    decode_attention's tuning=None gives: the windows in the kernel where they fit)."""
+    from pallas_kernels.kivi_decode import call_tuning
 
     cfg = cache.config
-    return choose_tuning(
+    window = cache.keys.window if cache.windows_aligned and cache.keys.window % 64 == 0 else 0
+    tuning, _ = call_tuning(
         cache.batch,
         cache.kv_heads,
         cache.keys.capacity,
@@ -359,4 +360,6 @@ def cache_tuning(cache, q_heads: int):
         group_size=cfg.group_size,
         head_dim=cache.head_dim,
         q_heads=q_heads // cache.kv_heads,
+        window=window,
     )
+    return tuning

@@ -8,6 +8,7 @@ model makes it, against cuDNN fp16 attention over the same rows, on a grid of sh
     python -m bench.kernel_grid --dry-run           # the CPU path: reference vs XLA, tiny
     python -m bench.kernel_grid --kbg 2:32,2:64 --sinks 8 --rotate both  # best3 / best25's
                                                     # knobs with post-RoPE keys
+    python -m bench.kernel_grid --ragged --batches 8 --tokens 32768  # rows of T/3..T
 
 What is timed: `kivi_jax.decode_attention(q, cache, layer, implementation="pallas")` (the
 kernel over the quantized region, the residual tail and their merge) on a `kivi_jax.KiviCache`
@@ -22,8 +23,10 @@ dispatch over the calls and nothing can overlap, be hoisted or be merged. Kernel
 alternate over --rounds rounds (ABBA) in one process; the per-call time is the median launch
 time over the rounds divided by --calls. TB/s: the bytes a call reads (codes, scales and
 minimums of T tokens, the R full-precision tokens; fp16 K and V for the baseline) per second.
-With --sinks N the first N positions are attended from their buffer beside the kernel (which
-skips them) and merged; with --rotate q is rotated before the call and the output after: both
+With --ragged the rows hold T/3..T quantized tokens (spaced evenly, the longest T; the
+baseline masks the same lengths) and the bytes are the rows' own. With --sinks N the first N
+positions are attended from their buffer beside the kernel (which skips them) and merged; with
+--rotate q is rotated before the call and the output after: both
 inside the timed call, as `decode_attention` runs them (docs/formats.md).
 
 Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_grid_hq32.json
@@ -56,6 +59,15 @@ def kernel_tuning(cache: kivi_jax.KiviCache, q_heads: int) -> str:
     return str(common.cache_tuning(cache, q_heads))
 
 
+def row_tokens(batch: int, tokens: int, ragged: bool) -> list[int]:
+    """The quantized tokens of each row: T each, or (ragged) spaced evenly from T/3 to T in
+    whole groups of 256 tokens (rows that differ by 3x, the longest full)."""
+    if not ragged:
+        return [tokens] * batch
+    lo = tokens // 3
+    return [int(lo + (tokens - lo) * i / max(1, batch - 1)) // 256 * 256 for i in range(batch)]
+
+
 def measure(
     batch,
     tokens,
@@ -70,12 +82,20 @@ def measure(
     masked,
     sinks=0,
     rotation="none",
+    ragged=False,
 ) -> dict:
     """One grid cell: the kernel chain and the baseline chain (`dense`: its K/V per layer),
-    alternating; a results row."""
+    alternating; a results row. `ragged`: rows of `row_tokens` quantized tokens (T/3..T)."""
     kb, vb, g = kbg
-    nbytes = common.kivi_bytes(batch, KV_HEADS, HEAD_DIM, tokens, RESIDUAL, kb, vb, g, sinks=sinks)
-    layers = common.layers_for(nbytes, calls)
+    quantized = row_tokens(batch, tokens, ragged)
+    nbytes = sum(
+        common.kivi_bytes(1, KV_HEADS, HEAD_DIM, t, RESIDUAL, kb, vb, g, sinks=sinks)
+        for t in quantized
+    )
+    layers = common.layers_for(
+        common.kivi_bytes(batch, KV_HEADS, HEAD_DIM, tokens, RESIDUAL, kb, vb, g, sinks=sinks),
+        calls,
+    )
     cache = common.random_kivi_cache(
         jax.random.key(batch * 7 + tokens + kb),
         layers=layers,
@@ -87,6 +107,7 @@ def measure(
         value_bits=vb,
         group_size=g,
         residual=RESIDUAL,
+        lengths=[t + RESIDUAL for t in quantized],
         sinks=sinks,
         rotation=rotation,
     )
@@ -101,8 +122,9 @@ def measure(
     )
     k_ms = common.median_ms(times["kernel"], calls)
     b_ms = common.median_ms(times["baseline"], calls)
-    dbytes = common.dense_bytes(
-        batch, KV_HEADS, HEAD_DIM, tokens + RESIDUAL, jnp.dtype(dense_dtype).itemsize
+    dbytes = sum(
+        common.dense_bytes(1, KV_HEADS, HEAD_DIM, t + RESIDUAL, jnp.dtype(dense_dtype).itemsize)
+        for t in quantized
     )
     return dict(
         B=batch,
@@ -116,6 +138,8 @@ def measure(
         G=g,
         sinks=sinks,
         rotation=rotation,
+        ragged=ragged,
+        row_tokens=quantized,
         kernel=kernel_impl,
         baseline=baseline_impl,
         baseline_masked=masked,
@@ -152,6 +176,7 @@ def grid(
     log=print,
     sinks=0,
     rotation="none",
+    ragged=False,
 ) -> list[dict]:
     """Every (B, T) point with every bits/G configuration; the baseline's K/V built once per
     point and timed again beside each configuration."""
@@ -184,6 +209,7 @@ def grid(
                     masked=masked,
                     sinks=sinks,
                     rotation=rotation,
+                    ragged=ragged,
                 )
                 rows.append(row)
                 log(table_line(row))
@@ -263,6 +289,7 @@ def tokens_label(t: int) -> str:
 def table_line(r: dict) -> str:
     variant = f" S{r['sinks']}" if r.get("sinks") else ""
     variant += f" rot={r['rotation']}" if r.get("rotation", "none") != "none" else ""
+    variant += " ragged" if r.get("ragged") else ""
     return (
         f"| {r['B']} | {tokens_label(r['T'])} | {r['key_bits']}/{r['value_bits']} | "
         f"{r['G']}{variant} | "
@@ -302,6 +329,9 @@ def main(argv=None) -> int:
         choices=("none", "keys", "values", "both"),
         help="Hadamard rotation of the cache (best3, best25: both)",
     )
+    ap.add_argument(
+        "--ragged", action="store_true", help="rows of T/3..T quantized tokens (the longest T)"
+    )
     ap.add_argument("--json", default=None, help="results file (rows and an env block)")
     a = ap.parse_args(argv)
     knobs = dict(sinks=a.sinks, rotation=a.rotate)
@@ -340,6 +370,7 @@ def main(argv=None) -> int:
         log=lambda line: print(line, flush=True),
         **impls,
         **knobs,
+        ragged=a.ragged,
     )
     if a.json:
         common.write_json(a.json, env=env, rows=rows)

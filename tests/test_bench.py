@@ -176,6 +176,23 @@ def test_kernel_grid_dry_run_writes_rows_and_env(tmp_path, capsys):
     assert "| 2 | 256 | 2/2 | 32 |" in capsys.readouterr().out
 
 
+def test_kernel_grid_ragged_rows_hold_a_third_to_all_of_t(tmp_path, capsys):
+    rows = kernel_grid.row_tokens(8, 32768, True)
+    assert rows[0] == 10752 and rows[-1] == 32768  # 32768 / 3 in whole steps of 256, and T
+    assert all(t % 256 == 0 for t in rows) and rows == sorted(set(rows))
+    assert kernel_grid.row_tokens(3, 1024, False) == [1024] * 3
+    out = tmp_path / "grid.json"
+    assert kernel_grid.main(["--dry-run", "--ragged", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["ragged"] and row["row_tokens"] == [0, 256]  # 256/3 rounds down to no group
+    one = lambda t: common.kivi_bytes(1, 8, 128, t, 128, 2, 2, 32)
+    assert row["kernel_bytes"] == one(0) + one(256)
+    assert row["baseline_bytes"] == common.dense_bytes(1, 8, 128, 128) + common.dense_bytes(
+        1, 8, 128, 384
+    )
+    assert "| 2 | 256 | 2/2 | 32 ragged |" in capsys.readouterr().out
+
+
 def test_kernel_grid_times_sinks_and_rotation_inside_the_call(tmp_path, capsys):
     """best3 / best25's knobs: the grid's cache holds filled sink buffers, the rows and the
     bytes count them, and the timed call attends them (the output differs from the cache

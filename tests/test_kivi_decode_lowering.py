@@ -407,3 +407,17 @@ def test_gpu_cases_take_their_features():
             assert p.f8v, c.name
         if c.name.startswith("release"):
             assert p.release, c.name
+
+
+def test_call_tuning_takes_the_windows_where_they_fit():
+    """The launch of a call left to choose: choose_tuning's with the windows where they fit,
+    else its launch without them (4-bit B=8 T=128k: long units, windows_fit declines)."""
+    from pallas_kernels.kivi_decode import call_tuning, choose_tuning
+
+    small = dict(key_bits=2, value_bits=2, group_size=128, q_heads=4)
+    tun, taken = call_tuning(1, 8, 8192, window=128, **small)
+    assert taken and tun == choose_tuning(1, 8, 8192, window=128, **small) and tun.q_prologue
+    long4 = dict(key_bits=4, value_bits=4, group_size=128, q_heads=4)
+    tun, taken = call_tuning(8, 8, 131072, window=128, **long4)
+    assert not taken and tun == choose_tuning(8, 8, 131072, **long4)
+    assert call_tuning(1, 8, 8192, **small) == (choose_tuning(1, 8, 8192, **small), False)

@@ -9,6 +9,7 @@ surface:
                 low_precision=False) -> (o [B, Hq, D] f32, lse [B, Hq] f32)
     kivi_decode_reference(...)   the same call in float32 jnp (the kernel's twin)
     TuningConfig, choose_tuning  the launch configuration and its per-shape choice
+    call_tuning                  the launch a call left to choose runs (windows in or out)
 
 Modules: `config` (the tuning and the per-launch `Plan`), `kernel` (the body, stage by stage),
 `decode` (the call around it), `reference` (the twin); the register-level fragments are in
@@ -22,6 +23,7 @@ from pallas_kernels.kivi_decode.config import (
     SUPPORTED_GROUPS,
     SUPPORTED_HEAD_DIMS,
     TuningConfig,
+    call_tuning,
     choose_tuning,
 )
 from pallas_kernels.kivi_decode.decode import kivi_decode
@@ -34,6 +36,7 @@ __all__ = [
     "SUPPORTED_GROUPS",
     "SUPPORTED_HEAD_DIMS",
     "TuningConfig",
+    "call_tuning",
     "choose_tuning",
     "kivi_decode",
     "kivi_decode_reference",

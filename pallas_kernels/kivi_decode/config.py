@@ -478,3 +478,43 @@ def choose_tuning(
             pdl=fused or one_wave,
         )
     return out
+
+
+def call_tuning(
+    batch: int,
+    kv_heads: int,
+    max_tokens: int,
+    *,
+    key_bits: int = 2,
+    value_bits: int = 2,
+    group_size: int = 128,
+    head_dim: int = 128,
+    q_heads: int = 8,
+    window: int = 0,
+    fp8_values: bool = False,
+) -> tuple[TuningConfig, bool]:
+    """(the launch, whether it attends the windows) of a `kivi_decode` call left to choose its
+    tuning: `choose_tuning`'s with the `window` slots where they fit beside its pipelines
+    (`windows_fit`), else its launch without them, the windows then attended outside the
+    kernel (what `kivi_jax.decode_attention` does on a cache)."""
+    kw = dict(
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        head_dim=head_dim,
+        q_heads=q_heads,
+        fp8_values=fp8_values,
+    )
+    if window:
+        tuning = choose_tuning(batch, kv_heads, max_tokens, window=window, **kw)
+        size = functools.partial(
+            smem_bytes,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            group_size=group_size,
+            head_dim=head_dim,
+            padded_heads=padded_heads(q_heads),
+        )
+        if windows_fit(tuning, max_tokens // STEP_TOKENS, window, size):
+            return tuning, True
+    return choose_tuning(batch, kv_heads, max_tokens, **kw), False

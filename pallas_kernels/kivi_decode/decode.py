@@ -14,17 +14,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kivi_decode.config import (
     MAX_PADDED_HEADS,
     SMEM_LIMIT,
-    STEP_TOKENS,
     SUPPORTED_BITS,
     SUPPORTED_GROUPS,
     SUPPORTED_HEAD_DIMS,
     Plan,
     TuningConfig,
-    choose_tuning,
+    call_tuning,
     padded_heads,
     smem_bytes,
     value_channel_order,
-    windows_fit,
 )
 from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
 from pallas_kernels.merge import merge_partials
@@ -343,8 +341,9 @@ def kivi_decode(
         interpret = plgpu.InterpretGPUParams()
     elif interpret is None:
         interpret = False
+    W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
     if tuning is None:
-        tuning = choose_tuning(
+        tuning, taken = call_tuning(
             B,
             Hkv,
             Tq,
@@ -354,28 +353,24 @@ def kivi_decode(
             head_dim=D,
             fp8_values=low_precision,
             q_heads=Hq // Hkv,
-            window=0 if windows is None else windows[0].shape[3],
+            window=W,
         )
-        chosen = True
-    else:
-        chosen = False
-        if low_precision:
-            tuning = dataclasses.replace(tuning, fp8_values=True)
-    W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
-    size = functools.partial(
-        smem_bytes,
+        if W and not taken:
+            raise NotImplementedError(
+                f"the {W}-slot windows do not fit beside {tuning}'s pipelines (shared memory, "
+                "or blocks per SM of a long launch)"
+            )
+    elif low_precision:
+        tuning = dataclasses.replace(tuning, fp8_values=True)
+    smem = smem_bytes(
+        tuning,
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,
         head_dim=D,
         padded_heads=padded_heads(Hq // Hkv),
+        window=W,
     )
-    smem = size(tuning, window=W)
-    if W and chosen and not windows_fit(tuning, Tq // STEP_TOKENS, W, size):
-        raise NotImplementedError(
-            f"the {W}-slot windows do not fit beside {tuning}'s pipelines (shared memory, "
-            "or blocks per SM of a long launch)"
-        )
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"tuning={tuning} needs about {smem} bytes of shared memory "
