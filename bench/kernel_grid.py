@@ -1,8 +1,8 @@
 """The kernel's figure of record: one public decode-attention call on a KIVI cache, timed as a
 model makes it, against cuDNN fp16 attention over the same rows, on a grid of shapes.
 
-    python -m bench.kernel_grid --hq 32 --json docs/results/kernel_grid_hq32.json  # the grid
-    python -m bench.kernel_grid --hq 64 --json docs/results/kernel_grid_hq64.json
+    python -m bench.kernel_grid --hq 32 --json docs/results/kernel_chain_grid_hq32.json  # the grid
+    python -m bench.kernel_grid --hq 64 --json docs/results/kernel_chain_grid_hq64.json
     python -m bench.kernel_grid --anchor            # B=8, T=128k, 2-bit G=128 only
     python -m bench.kernel_grid --check             # the kernel against "reference" (GPU)
     python -m bench.kernel_grid --dry-run           # the CPU path: reference vs XLA, tiny
@@ -29,8 +29,8 @@ positions are attended from their buffer beside the kernel (which skips them) an
 --rotate q is rotated before the call and the output after: both
 inside the timed call, as `decode_attention` runs them (docs/formats.md).
 
-Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_grid_hq32.json
-and kernel_grid_hq64.json: rows plus an `env` block with the date, GPU, driver, versions and
+Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_chain_*.json:
+rows plus an `env` block with the date, GPU, driver, versions and
 the command line). Needs a Hopper GPU except --dry-run. A whole grid takes several minutes
 (each configuration compiles its chain once); split it with --batches / --tokens / --kbg.
 """
