@@ -256,14 +256,27 @@ def quantized_region_dense(qg: Array, cache: KiviCache, layer, num_tokens: Array
     return _softmax_attend(qg, k, v, held)
 
 
-def sink_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
-    """Attention over the sinks a row holds below `start` (`cache.quantized_split()`: those at
-    or past it are in the windows), read exactly from their buffers, float32; the kernel
-    skips their stand-in codes."""
-    n = cache.keys.sinks
-    k = cache.keys.sink[layer].astype(jnp.float32)  # [B, Hkv, N, D]
-    v = cache.values.sink[layer].astype(jnp.float32)
-    return _softmax_attend(qg, k, v, jnp.arange(n)[None, :] < start[:, None])
+def with_sinks(qg: Array, cache: KiviCache, layer, start: Array, o: Array, lse: Array):
+    """The partial (o [B, Hkv, r, D], lse [B, Hkv, r]) of the rest of each row joined by the
+    sinks it holds below `start` (`cache.quantized_split()`: those at or past it are in the
+    windows), read exactly from their buffers, float32; the kernel skips their stand-in codes.
+
+    One pass: the sinks' logits and the partial's lse share one max and one sum, as
+    `merge_partials` of the two would give. N is small, so the products are multiply-and-
+    reduce, which XLA fuses with the softmax and the merge (GEMMs and a separate merge cost
+    nine launches per call); the edges are `_mask_logits`' and `merge_partials`'."""
+    k = cache.keys.sink[layer].astype(jnp.float32)[:, :, None]  # [B, Hkv, 1, N, D]
+    v = cache.values.sink[layer].astype(jnp.float32)[:, :, None]
+    held = (jnp.arange(cache.keys.sinks)[None, :] < start[:, None])[:, None, None, :]
+    s = _mask_logits(jnp.sum(qg.astype(jnp.float32)[..., None, :] * k, axis=-1), held)
+    m = jnp.maximum(lse, jnp.max(s, axis=-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w, p = jnp.exp(lse - m), jnp.exp(s - m[..., None])  # [B, Hkv, r], [B, Hkv, r, N]
+    total = w + jnp.sum(p, axis=-1)
+    num = w[..., None] * o + jnp.sum(p[..., None] * v, axis=-2)
+    ok = total > 0
+    o = num / jnp.where(ok, total, 1.0)[..., None]
+    return o, jnp.where(ok, m + jnp.log(jnp.where(ok, total, 1.0)), -jnp.inf)
 
 
 def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
@@ -361,19 +374,22 @@ def _kivi_pallas(
         windows=windows,
         skip=cache.keys.sinks,
     )
-    finish = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     m = cache.quantized_split()
-    sinks = [sink_attention(qg, cache, layer, m)] if cache.keys.sinks else []
+
+    def finish(o, lse):
+        o, lse = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
+        return with_sinks(qg, cache, layer, m, o, lse) if cache.keys.sinks else (o, lse)
+
     if cache.windows_aligned and cache.keys.window % 64 == 0:
         # One launch: the kernel attends the windows too (where they fit its shared memory).
         try:
             o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
-            whole = finish(*_settled(o, lse, interpret))
-            return merge_partials([whole, *sinks]) if sinks else whole
+            return finish(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
-    main = finish(*_settled(*call(m), interpret))
-    return merge_partials([main, tail_attention(qg, cache, layer, m), *sinks])
+    o, lse = _settled(*call(m), interpret)
+    main = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
+    return finish(*merge_partials([main, tail_attention(qg, cache, layer, m)]))
 
 
 def _settled(o, lse, interpret):

@@ -1,6 +1,8 @@
 """Decode attention over the caches: reference vs an independent dequantize-then-attend, the
 folded form vs the reference, accuracy against full precision, dispatch and errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -404,3 +406,39 @@ def test_decode_attention_passes_the_kernel_tuning():
     assert (np.asarray(lowp, np.float32) != exact).any(), "-lowp did not change the products"
     with pytest.raises(ValueError, match="implementation"):
         kj.decode_attention(q, cache, 0, implementation="lowp")
+
+
+def test_with_sinks_is_the_merge_of_the_partial_and_the_sinks():
+    """`with_sinks` joins a partial (o, lse) and the sinks a row holds below its start in one
+    pass: what merge_partials of the partial and the sinks' own attention gives; rows with
+    nothing (start 0, empty partial) give o = 0, lse = -inf; a non-finite sink key NaN."""
+    from kivi_jax.attention import _softmax_attend, with_sinks
+
+    B, Hkv, r, N, D = 4, 2, 3, 8, 32
+    ks = jax.random.split(jax.random.key(5), 5)
+    config = kj.KiviConfig(2, 2, 32, 32, sinks=N)
+    cache = kj.KiviCache.init(
+        config, num_layers=2, batch=B, kv_heads=Hkv, head_dim=D, max_len=128, dtype=jnp.float32
+    )
+    k = jax.random.normal(ks[0], (2, B, Hkv, N, D))
+    v = jax.random.normal(ks[1], (2, B, Hkv, N, D))
+    k = k.at[1, 3, 0, 2, 5].set(jnp.inf)  # row 3, head 0: a held infinite key
+    keys = dataclasses.replace(cache.keys, sink=k)
+    cache = dataclasses.replace(cache, keys=keys, values=dataclasses.replace(cache.values, sink=v))
+    qg = jax.random.normal(ks[2], (B, Hkv, r, D))
+    o = jax.random.normal(ks[3], (B, Hkv, r, D))
+    lse = jax.random.normal(ks[4], (B, Hkv, r)) * 3
+    lse = lse.at[1].set(-jnp.inf).at[2].set(-jnp.inf)
+    o = o.at[1].set(0.0).at[2].set(0.0)  # empty partials
+    start = jnp.array([8, 5, 0, 8])  # row 2: no sinks held and an empty partial
+    got_o, got_lse = with_sinks(qg, cache, 1, start, o, lse)
+    held = jnp.arange(N)[None, :] < start[:, None]
+    sinks = _softmax_attend(qg, k[1], v[1], held)
+    want_o, want_lse = kj.merge_partials([(o, lse), sinks])
+    ok = np.ones((B, Hkv), bool)
+    ok[3, 0] = False
+    np.testing.assert_allclose(got_o[ok], want_o[ok], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_lse[ok], want_lse[ok], rtol=1e-5, atol=1e-5)
+    assert np.isnan(np.asarray(got_o[3, 0])).all() and np.isfinite(got_o[3, 1]).all()
+    np.testing.assert_array_equal(got_o[2], 0.0)
+    np.testing.assert_array_equal(got_lse[2], -np.inf)
