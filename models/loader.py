@@ -162,8 +162,8 @@ def enable_compile_cache() -> Path | None:
     """Persist compiled programs under cache_root()/xla on GPUs, for command-line runs.
 
     On GPUs the decode loop runs the layers unrolled over per-layer weights
-    (`models.generate.decode_layout`), which takes ~30 s to compile for Llama-3-8B on an H200
-    (docs/generation.md); the next run with the same shapes loads it instead. CPUs keep
+    (`models.generate.decode_layout`), which takes 4-8 s to compile for Llama-3-8B on an H200
+    (docs/performance.md); the next run with the same shapes loads it instead. CPUs keep
     the layer scan (a few seconds), so nothing is set there. KIVI_JAX_NO_COMPILE_CACHE=1 opts
     out. Returns the directory, or None when not enabled.
     """
