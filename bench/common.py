@@ -347,10 +347,10 @@ def write_json(path: str | Path, **content) -> Path:
 def cache_tuning(cache, q_heads: int):
     """The launch the kernel runs for this cache and q_heads query heads (what
     decode_attention's tuning=None gives: the windows in the kernel where they fit)."""
+    from kivi_jax.attention import kernel_window
     from pallas_kernels.kivi_decode import call_tuning
 
     cfg = cache.config
-    window = cache.keys.window if cache.windows_aligned and cache.keys.window % 64 == 0 else 0
     tuning, _ = call_tuning(
         cache.batch,
         cache.kv_heads,
@@ -360,6 +360,6 @@ def cache_tuning(cache, q_heads: int):
         group_size=cfg.group_size,
         head_dim=cache.head_dim,
         q_heads=q_heads // cache.kv_heads,
-        window=window,
+        window=kernel_window(cache),
     )
     return tuning

@@ -380,7 +380,7 @@ def _kivi_pallas(
         o, lse = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
         return with_sinks(qg, cache, layer, m, o, lse) if cache.keys.sinks else (o, lse)
 
-    if cache.windows_aligned and cache.keys.window % 64 == 0:
+    if kernel_window(cache):
         # One launch: the kernel attends the windows too (where they fit its shared memory).
         try:
             o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
@@ -390,6 +390,14 @@ def _kivi_pallas(
     o, lse = _settled(*call(m), interpret)
     main = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
     return finish(*merge_partials([main, tail_attention(qg, cache, layer, m)]))
+
+
+def kernel_window(cache: KiviCache) -> int:
+    """The residual-window slots the kernel can take into its launch: the windows' W where
+    they are rings slot for slot with the tail (`windows_aligned`) in whole chunks of 64
+    slots, else 0 (the tail is then attended beside the kernel)."""
+    w = cache.keys.window
+    return w if cache.windows_aligned and w % 64 == 0 else 0
 
 
 def _settled(o, lse, interpret):

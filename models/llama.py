@@ -187,18 +187,23 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": tuple(out)}
 
 
+def _split(x: Array, widths: tuple[int, ...]) -> list[Array]:
+    """x [..., sum(widths)] -> the pieces of those widths along the last axis."""
+    return jnp.split(x, np.cumsum(widths)[:-1].tolist(), axis=-1)
+
+
 def projections(lp: Params, h: Array, fused: str, widths: tuple[int, ...]) -> list[Array]:
     """h [..., d] times each matrix of FUSED[fused] (float32 [..., width] each): one GEMM of
     lp[fused] split along its columns where the layers are fused, else one GEMM each."""
     if fused in lp:
-        return jnp.split(_dense(h, lp[fused]), np.cumsum(widths)[:-1].tolist(), axis=-1)
+        return _split(_dense(h, lp[fused]), widths)
     return [_dense(h, lp[p]) for p in FUSED[fused]]
 
 
 def _biases(lp: Params, widths: tuple[int, ...]) -> list[Array]:
     """The q/k/v biases (float32), from bqkv where the layers are fused."""
     if "bqkv" in lp:
-        return jnp.split(lp["bqkv"].astype(jnp.float32), np.cumsum(widths)[:-1].tolist(), axis=-1)
+        return _split(lp["bqkv"].astype(jnp.float32), widths)
     return [lp[p].astype(jnp.float32) for p in FUSED["bqkv"]]
 
 

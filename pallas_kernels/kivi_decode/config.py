@@ -333,6 +333,18 @@ def smem_bytes(
     return W * per_wg + 4096
 
 
+def launch_smem(key_bits: int, value_bits: int, group_size: int, head_dim: int, q_heads: int):
+    """`smem_bytes` of a cache's launches: size(tuning, window=0) -> bytes per block."""
+    return functools.partial(
+        smem_bytes,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group_size,
+        head_dim=head_dim,
+        padded_heads=padded_heads(q_heads),
+    )
+
+
 def units_per_sm(tuning: TuningConfig, smem: int) -> int:
     """Units (rows x splits) an SM runs at once: with several warpgroups per block one block
     per SM, a unit per warpgroup; with one, as many blocks as the shared memory allows, at
@@ -392,14 +404,7 @@ def choose_tuning(
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {STEP_TOKENS}")
     f8v = fp8_values and group_size == head_dim
     base = TuningConfig(num_splits=1, stages=stages, fp8_values=fp8_values)
-    size = functools.partial(
-        smem_bytes,
-        key_bits=key_bits,
-        value_bits=value_bits,
-        group_size=group_size,
-        head_dim=head_dim,
-        padded_heads=padded_heads(q_heads),
-    )
+    size = launch_smem(key_bits, value_bits, group_size, head_dim, q_heads)
     if wg_per_block is None:
         many = key_bits == 2 and batch * kv_heads * max_tokens >= 1 << 22
         fits = [
@@ -507,14 +512,7 @@ def call_tuning(
     )
     if window:
         tuning = choose_tuning(batch, kv_heads, max_tokens, window=window, **kw)
-        size = functools.partial(
-            smem_bytes,
-            key_bits=key_bits,
-            value_bits=value_bits,
-            group_size=group_size,
-            head_dim=head_dim,
-            padded_heads=padded_heads(q_heads),
-        )
+        size = launch_smem(key_bits, value_bits, group_size, head_dim, q_heads)
         if windows_fit(tuning, max_tokens // STEP_TOKENS, window, size):
             return tuning, True
     return choose_tuning(batch, kv_heads, max_tokens, **kw), False

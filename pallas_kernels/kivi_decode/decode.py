@@ -20,8 +20,7 @@ from pallas_kernels.kivi_decode.config import (
     Plan,
     TuningConfig,
     call_tuning,
-    padded_heads,
-    smem_bytes,
+    launch_smem,
     value_channel_order,
 )
 from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
@@ -362,15 +361,7 @@ def kivi_decode(
             )
     elif low_precision:
         tuning = dataclasses.replace(tuning, fp8_values=True)
-    smem = smem_bytes(
-        tuning,
-        key_bits=key_bits,
-        value_bits=value_bits,
-        group_size=group_size,
-        head_dim=D,
-        padded_heads=padded_heads(Hq // Hkv),
-        window=W,
-    )
+    smem = launch_smem(key_bits, value_bits, group_size, D, Hq // Hkv)(tuning, window=W)
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"tuning={tuning} needs about {smem} bytes of shared memory "
