@@ -1,6 +1,6 @@
 """kivi-jax: KIVI 2/4-bit KV-cache quantization for JAX (arXiv 2402.02750)."""
 
-from kivi_jax import formats, rotation
+from kivi_jax import formats, mixed, rotation
 from kivi_jax.attention import chunk_attention, decode_attention, merge_partials
 from kivi_jax.cache import (
     CACHE_NAMES,
@@ -14,6 +14,7 @@ from kivi_jax.cache import (
     make_cache,
 )
 from kivi_jax.config import KiviConfig
+from kivi_jax.mixed import MixedCache, layer_configs, parse_layers
 from kivi_jax.parallel import (
     sequence_parallel_append,
     sequence_parallel_attention,
@@ -37,6 +38,7 @@ __all__ = [
     "DenseCache",
     "KiviCache",
     "KiviConfig",
+    "MixedCache",
     "QuantizedStore",
     "QuantizedTensor",
     "cache_config",
@@ -45,9 +47,12 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "formats",
+    "layer_configs",
     "make_cache",
     "merge_partials",
+    "mixed",
     "pack",
+    "parse_layers",
     "quantize",
     "quantize_keys",
     "quantize_values",

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
+from kivi_jax.mixed import MixedCache
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials as _merge
 
@@ -46,6 +47,13 @@ IMPLEMENTATIONS = (
     "xla",
     "cudnn",
 )
+
+
+def _check_cache(cache) -> None:
+    if not isinstance(cache, KiviCache | DenseCache):
+        raise ValueError(
+            f"cache must be a KiviCache, MixedCache or DenseCache, got {type(cache).__name__}"
+        )
 
 
 def _check_query(q: Array, cache) -> None:
@@ -447,7 +455,7 @@ def _check_scale(scale, head_dim: int) -> float:
 
 def decode_attention(
     q: Array,
-    cache: KiviCache | DenseCache,
+    cache: KiviCache | MixedCache | DenseCache,
     layer,
     *,
     implementation: str = "auto",
@@ -474,8 +482,10 @@ def decode_attention(
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if not isinstance(cache, KiviCache | DenseCache):
-        raise ValueError(f"cache must be a KiviCache or DenseCache, got {type(cache).__name__}")
+    if isinstance(cache, MixedCache):  # the layer's part, an ordinary KiviCache
+        kw = dict(implementation=implementation, scale=scale, interpret=interpret, tuning=tuning)
+        return cache.route(layer, lambda i, h: decode_attention(q, cache.parts[i], h, **kw))
+    _check_cache(cache)
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
     layer, in_range = check_layer(layer, cache.num_layers)
@@ -653,7 +663,7 @@ def chunk_attention(
     k: Array,
     v: Array,
     counts: Array,
-    cache: KiviCache | DenseCache,
+    cache: KiviCache | MixedCache | DenseCache,
     layer,
     *,
     implementation: str = "auto",
@@ -686,8 +696,11 @@ def chunk_attention(
         raise ValueError(
             f"implementation must be one of {CHUNK_IMPLEMENTATIONS}, got {implementation!r}"
         )
-    if not isinstance(cache, KiviCache | DenseCache):
-        raise ValueError(f"cache must be a KiviCache or DenseCache, got {type(cache).__name__}")
+    if isinstance(cache, MixedCache):  # the layer's part, an ordinary KiviCache
+        kw = dict(implementation=implementation, scale=scale, interpret=interpret)
+        route = lambda i, h: chunk_attention(q, k, v, counts, cache.parts[i], h, **kw)
+        return cache.route(layer, route)
+    _check_cache(cache)
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"q must have shape [B, C, Hq, D], got {getattr(q, 'shape', q)}")
     bsz, c, hq, d = q.shape

@@ -1377,12 +1377,15 @@ def make_cache(
     outlier_channels: int = 0,
     pre_rope: bool = False,
     rope_frequencies=None,
-) -> KiviCache | DenseCache:
+    layer_overrides=(),
+):
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
     layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
     reads in place: `per_layer` does not apply to them), with `group_size`, `sinks`,
     `rotation`, `outlier_channels` and `pre_rope` as `cache_config` takes them;
-    `rope_frequencies` as `KiviCache.init` takes them (the model's: what pre_rope needs)."""
+    `rope_frequencies` as `KiviCache.init` takes them (the model's: what pre_rope needs).
+    layer_overrides: (layers, KiviConfig fields) pairs (`kivi_jax.mixed.layer_configs`)
+    changing the named config in those layers: a `kivi_jax.MixedCache` (KIVI names only)."""
     config = cache_config(
         name,
         group_size,
@@ -1401,5 +1404,13 @@ def make_cache(
         dtype=dtype,
     )
     if config is None:
+        if layer_overrides:
+            raise ValueError(f"the dense {name!r} cache takes no layer overrides")
         return DenseCache.init(**dims, per_layer=per_layer)
+    if layer_overrides:
+        from kivi_jax.mixed import MixedCache, layer_configs
+
+        configs = layer_configs(config, num_layers, layer_overrides)
+        del dims["num_layers"]
+        return MixedCache.init(configs, **dims, rope_frequencies=rope_frequencies)
     return KiviCache.init(config, **dims, rope_frequencies=rope_frequencies)

@@ -130,10 +130,11 @@ def check_caches(
     rotation: str = "none",
     outlier_channels: int = 0,
     pre_rope: bool = False,
+    layer_overrides: Sequence[str] = (),
 ) -> None:
-    """Cache names and the G / R / sinks / rotation / outlier-channel / pre-RoPE flags, by the
-    library's own rule
-    (kivi_jax.cache_config; G None: each name's own).
+    """Cache names and the G / R / sinks / rotation / outlier-channel / pre-RoPE / layer
+    override flags, by the library's own rule
+    (kivi_jax.cache_config, kivi_jax.mixed.parse_override; G None: each name's own).
 
     G and R are checked even when every cache is the dense fp16 one, which ignores them: a value
     that no quantized cache accepts is a typo whichever cache runs.
@@ -179,6 +180,13 @@ def check_caches(
             "--sinks / --rotate / --outlier-channels / --pre-rope apply to quantized caches, "
             "and none was named"
         )
+    for text in layer_overrides:
+        try:
+            kivi_jax.mixed.parse_override(text)
+        except ValueError as e:
+            raise ValueError(f"--layer-override {text!r}: {e}") from None
+    if layer_overrides and not quantized:
+        raise ValueError("--layer-override applies to quantized caches, and none was named")
     knobs = dict(
         sinks=sinks, rotation=rotation, outlier_channels=outlier_channels, pre_rope=pre_rope
     )

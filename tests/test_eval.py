@@ -80,6 +80,19 @@ def test_unknown_cache_name_is_a_clear_error():
     assert ppl.bits_per_element(ppl.CacheSpec("kivi2", 32, 128), 64) == 3.0
 
 
+def test_layer_overrides_in_a_cache_spec():
+    spec = ppl.CacheSpec.named("kivi2", 32, 128, layer_overrides=["0-1 key_bits=4"])
+    assert spec.layer_overrides == ("0-1 key_bits=4",)
+    assert spec.overrides() == [((0, 1), {"key_bits": 4})]
+    assert ppl.bits_per_element(spec, 64, num_layers=4) == (2 * 4.0 + 2 * 3.0) / 4
+    with pytest.raises(ValueError, match="needs num_layers"):
+        ppl.bits_per_element(spec, 64)
+    # the dense cache compared beside quantized ones takes none, as with the other knobs
+    assert ppl.CacheSpec.named("fp16", layer_overrides=["0 key_bits=4"]).layer_overrides == ()
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        ppl.CacheSpec.named("kivi2", layer_overrides=["0 bits=4"])
+
+
 def test_qdq_transform_matches_quantizer_and_pads_ragged_tails():
     import jax
     import jax.numpy as jnp

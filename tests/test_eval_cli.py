@@ -83,6 +83,10 @@ def test_memory_command_table_flags_and_errors():
         (["passkey", "--prefill-chunk", "-512"], "--prefill-chunk must be >= 1, got -512"),
         (["passkey", "--mode", "both"], "--mode must be one of"),
         (["passkey", "--mode", "streamed", "--prefill-chunk", "8"], "drop --prefill-chunk"),
+        (["ppl", "--layer-override", "0-3 bits=4"], "--layer-override '0-3 bits=4'"),
+        (["ppl", "--layer-override", "0-x key_bits=4"], "layers must be indices or ranges"),
+        (["ppl", "--cache", "fp16", "--layer-override", "0 key_bits=4"], "applies to quantized"),
+        (["passkey", "--cache", "fp16", "--layer-override", "0 key_bits=4"], "applies to quant"),
     ],
 )
 def test_eval_bad_flags_fail_before_loading_a_model(args, msg):

@@ -397,3 +397,49 @@ def test_streamed_passkey_feeds_the_needle_through_the_cache():
         passkey.evaluate_passkey(params, TINY, tok, specs, mode="both", **kw)
     with pytest.raises(ValueError, match="no prefill chunk"):
         passkey.evaluate_passkey(params, TINY, tok, specs, mode="streamed", prefill_chunk=8, **kw)
+
+
+def test_layer_overrides_stream_each_layer_in_its_config():
+    """A spec whose overrides cover every layer streams as the cache they name; one covering
+    some layers lies apart from both, and is reported with its mean bits."""
+    toks = tiny_windows().ravel().tolist()
+    kw = dict(prefill_len=P, decode_len=T, windows=N)
+    run = lambda spec, **more: ppl.evaluate_ppl(tiny_params(), TINY, toks, spec, **kw, **more)
+    named = lambda overrides: ppl.CacheSpec.named("kivi2", 16, 16, layer_overrides=overrides)
+    k4v2 = run(ppl.CacheSpec("k4v2", 16, 16))
+    every = run(named(["0-1 key_bits=4"]))
+    assert every["ppl"] == pytest.approx(k4v2["ppl"], rel=1e-6)
+    half = run(named(["1 key_bits=4"]))
+    kivi2 = run(ppl.CacheSpec("kivi2", 16, 16))
+    assert half["ppl"] not in (pytest.approx(k4v2["ppl"]), pytest.approx(kivi2["ppl"]))
+    assert half["bits_per_element"] == (4.0 + 5.0) / 2  # G = 16: (4 + 4) / 2, (6 + 4) / 2
+    assert half["layer_overrides"] == ["1 key_bits=4"] and "layer_overrides" not in kivi2
+    chunked = run(named(["1 key_bits=4"]), prefill_chunk=P)  # one chunk: the one-piece prefill
+    assert chunked["ppl"] == pytest.approx(half["ppl"], rel=1e-5)
+    with pytest.raises(ValueError, match="streaming protocol on one device"):
+        run(named(["1 key_bits=4"]), protocol="simulated")
+    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
+        run(named(["2 key_bits=4"]))
+
+
+def test_a_mixed_cache_decodes_the_same_scanned_and_unrolled():
+    """The stacked scan (traced layer: the parts picked by a switch) and the GPUs' fused
+    per-layer layout (static layers) give the same logits and caches."""
+    from models.llama import fuse_projections
+
+    spec = ppl.CacheSpec.named("kivi2", 16, 16, layer_overrides=["1 key_bits=4"])
+    rows = jnp.asarray(tiny_windows()[:2])
+    cache = spec.make(TINY, batch=2, max_len=P + 8, dtype=jnp.float32)
+    lengths = jnp.full((2,), P, jnp.int32)
+    step = jax.jit(decode_step, static_argnums=1)
+    out = {}
+    for name, params in (("scan", tiny_params()), ("unrolled", fuse_projections(tiny_params()))):
+        _, c = prefill(params, TINY, rows[:, :P], lengths, cache)
+        logits = []
+        for t in range(P, P + 8):  # past a group of 16
+            lg, c = step(params, TINY, rows[:, t], c)
+            logits.append(lg)
+        out[name] = (jnp.stack(logits), c)
+    np.testing.assert_allclose(out["scan"][0], out["unrolled"][0], rtol=1e-4, atol=1e-4)
+    for x, y in zip(*(jax.tree.leaves(out[n][1]) for n in out), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)

@@ -43,6 +43,14 @@ PreRopeOpt = Annotated[
         "--pre-rope", help="Quantize keys before RoPE, apply it when read (quantized caches)"
     ),
 ]
+LayerOverrideOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--layer-override",
+        help="'LAYERS FIELD=VALUE ...' (e.g. '17-18 key_bits=4'): those layers' KiviConfig "
+        "fields changed (streaming, quantized caches); repeatable",
+    ),
+]
 PrefillChunkOpt = typer.Option(
     "--prefill-chunk",
     help="Prefill this many tokens at a time through the cache (each chunk attends to the "
@@ -67,6 +75,7 @@ def ppl_cmd(
     rotate: RotateOpt = "none",
     outlier_channels: OutliersOpt = 0,
     pre_rope: PreRopeOpt = False,
+    layer_override: LayerOverrideOpt = None,
     prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
     decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
     windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
@@ -107,8 +116,9 @@ def ppl_cmd(
         knobs = dict(
             sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
         )
-        checks.check_caches([cache], group_size, residual, **knobs)
-        spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs)
+        overrides = tuple(layer_override or ())
+        checks.check_caches([cache], group_size, residual, **knobs, layer_overrides=overrides)
+        spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs, layer_overrides=overrides)
         checks.check_dtype(dtype)
         for value, flag in (
             (prefill, "--prefill"),
@@ -214,6 +224,7 @@ def passkey_cmd(
     rotate: RotateOpt = "none",
     outlier_channels: OutliersOpt = 0,
     pre_rope: PreRopeOpt = False,
+    layer_override: LayerOverrideOpt = None,
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="Needle depths in [0, 1]")] = "0,0.25,0.5,0.75,1",
     trials: Annotated[int, typer.Option(help="Keys per (length, depth) cell")] = 5,
@@ -253,7 +264,8 @@ def passkey_cmd(
         knobs = dict(
             sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
         )
-        checks.check_caches(names, group_size, residual, **knobs)
+        overrides = tuple(layer_override or ())
+        checks.check_caches(names, group_size, residual, **knobs, layer_overrides=overrides)
         checks.check_dtype(dtype)
         for value, flag in (
             (trials, "--trials"),
@@ -263,7 +275,10 @@ def passkey_cmd(
         ):
             checks.check_positive(value, flag)
         checks.check_implementation(implementation, names)
-        specs = [ppl.CacheSpec.named(c, group_size, residual, **knobs) for c in names]
+        specs = [
+            ppl.CacheSpec.named(c, group_size, residual, **knobs, layer_overrides=overrides)
+            for c in names
+        ]
         lens = _lengths(lengths)
         deps = _floats(depths, "--depths")
         if not lens or not deps:

@@ -157,7 +157,9 @@ def _target_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """A cache by name plus the knobs that apply to quantized ones."""
+    """A cache by name plus the knobs that apply to quantized ones; `layer_overrides`, texts
+    such as "17-18 key_bits=4" (`kivi_jax.mixed.parse_override`), change the config in those
+    layers (a `kivi_jax.MixedCache`)."""
 
     name: str
     group_size: int = 32
@@ -166,6 +168,7 @@ class CacheSpec:
     rotation: str = "none"
     outlier_channels: int = 0
     pre_rope: bool = False
+    layer_overrides: tuple[str, ...] = ()
 
     @classmethod
     def named(
@@ -177,16 +180,36 @@ class CacheSpec:
         rotation="none",
         outlier_channels=0,
         pre_rope=False,
+        layer_overrides=(),
     ):
         """A spec whose knobs apply where the cache is quantized (the dense one, compared beside
-        them, takes none); group_size None: the name's own (`kivi_jax.cache_config`)."""
+        them, takes none); group_size None: the name's own (`kivi_jax.cache_config`). Layer
+        overrides are parsed here (ValueError on a bad one) and checked against the model's
+        layers when the cache is made; a dense spec made directly with them raises there."""
         import kivi_jax
+        from kivi_jax.mixed import parse_override
 
+        overrides = tuple(layer_overrides)
+        for text in overrides:
+            parse_override(text)
         if name in kivi_jax.DENSE_NAMES:
             return cls(name, residual_length=residual_length)
         cfg = kivi_jax.cache_config(name, group_size, residual_length)
         knobs = (sinks, rotation, outlier_channels, pre_rope)
-        return cls(name, cfg.group_size, residual_length, *knobs)
+        return cls(name, cfg.group_size, residual_length, *knobs, overrides)
+
+    def overrides(self) -> list:
+        """The parsed layer overrides: (layers, fields) pairs as `kivi_jax.make_cache` takes."""
+        from kivi_jax.mixed import parse_override
+
+        return [parse_override(text) for text in self.layer_overrides]
+
+    def layer_configs(self, num_layers: int):
+        """The KiviConfig of each of `num_layers` layers (None for the dense cache)."""
+        from kivi_jax.mixed import layer_configs
+
+        cfg = self.config()
+        return None if cfg is None else layer_configs(cfg, num_layers, self.overrides())
 
     def knobs(self) -> dict:
         """The keyword arguments `kivi_jax.make_cache` and `kivi_jax.cache_config` take."""
@@ -215,6 +238,8 @@ class CacheSpec:
         out = {"cache": self.name}
         if cfg is not None:
             out.update(dataclasses.asdict(cfg))
+        if self.layer_overrides:
+            out["layer_overrides"] = list(self.layer_overrides)
         return out
 
     def make(self, model_config, *, batch: int, max_len: int, dtype):
@@ -224,6 +249,8 @@ class CacheSpec:
         from models.generate import key_rope_frequencies
 
         if isinstance(model_config, gemma3.Gemma3Config):
+            if self.layer_overrides:
+                raise ValueError("layer overrides apply to Llama-family models, not Gemma 3")
             return gemma3.Gemma3Cache.init(
                 self.name, model_config, batch=batch, max_len=max_len, dtype=dtype, **self.knobs()
             )
@@ -236,13 +263,26 @@ class CacheSpec:
             max_len=max_len,
             dtype=dtype,
             rope_frequencies=key_rope_frequencies(model_config),
+            layer_overrides=self.overrides(),
             **self.knobs(),
         )
 
 
-def bits_per_element(spec: CacheSpec, head_dim: int, dense_bits: int = 16) -> float:
+def bits_per_element(
+    spec: CacheSpec, head_dim: int, dense_bits: int = 16, num_layers: int | None = None
+) -> float:
+    """Stored bits per cached element of `spec`'s cache (the mean over layers with layer
+    overrides, which then need `num_layers`)."""
+    from kivi_jax.mixed import mean_bits
+
     cfg = spec.config()
-    return float(dense_bits) if cfg is None else cfg.bits_per_element(head_dim)
+    if cfg is None:
+        return float(dense_bits)
+    if not spec.layer_overrides:
+        return cfg.bits_per_element(head_dim)
+    if num_layers is None:
+        raise ValueError("bits_per_element of a cache with layer overrides needs num_layers")
+    return mean_bits(spec.layer_configs(num_layers), head_dim)
 
 
 def qdq_transform(kivi_config, rope_frequencies=None) -> Callable | None:
@@ -533,6 +573,11 @@ def evaluate_ppl(
     cfg = spec.config()
     if cfg is not None:
         cfg.check_head_dim(model_config.head_dim)
+    if spec.layer_overrides:
+        if protocol != "streaming" or mesh is not None:
+            raise ValueError("layer overrides run the streaming protocol on one device")
+        for layer_config in set(spec.layer_configs(model_config.num_layers)):
+            layer_config.check_head_dim(model_config.head_dim)
     win = make_windows(tokens, prefill_len, decode_len, windows)
     t0 = time.perf_counter()
     if protocol == "streaming":
@@ -566,7 +611,9 @@ def evaluate_ppl(
         "decode": decode_len,
         "windows": windows,
         "prefill_chunk": prefill_chunk,
-        "bits_per_element": bits_per_element(spec, model_config.head_dim),
+        "bits_per_element": bits_per_element(
+            spec, model_config.head_dim, num_layers=model_config.num_layers
+        ),
         **spec.describe(),
         "group_size": spec.group_size if cfg is not None else None,
         "residual_length": spec.residual_length if cfg is not None else None,
