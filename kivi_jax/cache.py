@@ -26,7 +26,7 @@ non-finite and out-of-range values of quantization: docs/what_happens_when.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,9 @@ from jax.experimental import checkify
 
 from kivi_jax import formats, rotation
 from kivi_jax.config import KiviConfig, is_int
+
+if TYPE_CHECKING:  # kivi_jax.mixed builds on this module
+    from kivi_jax.mixed import MixedCache
 from kivi_jax.quant import (
     CACHE_PLANE,
     CODE_BLOCK,
@@ -1378,7 +1381,7 @@ def make_cache(
     pre_rope: bool = False,
     rope_frequencies=None,
     layer_overrides=(),
-):
+) -> KiviCache | DenseCache | MixedCache:
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
     layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
     reads in place: `per_layer` does not apply to them), with `group_size`, `sinks`,

@@ -160,7 +160,6 @@ class MixedCache:
     max_len = property(lambda self: self.parts[0].max_len)
     lengths = property(lambda self: self.parts[0].lengths)  # [B] int32, the same in every part
     overflowed = property(lambda self: self.parts[0].overflowed)
-    seq_axis = None  # never sharded over tokens (`kivi_jax.parallel` takes KiviCaches)
 
     @property
     def configs(self) -> tuple[KiviConfig, ...]:
