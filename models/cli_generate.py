@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Annotated
 
 import typer
 
@@ -62,6 +63,14 @@ def generate(
         "--pre-rope",
         help="Quantize keys before RoPE, apply it when read (quantized caches).",
     ),
+    layer_override: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--layer-override",
+            help="'LAYERS FIELD=VALUE ...' (e.g. '15-18 key_bits=4'): those layers' KiviConfig "
+            "fields changed (quantized caches, Llama family, one device); repeatable.",
+        ),
+    ] = None,
     implementation: str = typer.Option(
         "auto",
         "--implementation",
@@ -104,6 +113,7 @@ def generate(
     from models.loader import enable_compile_cache, load_model
 
     # Every flag is checked before the model loads: a typo costs no loading time.
+    overrides = tuple(layer_override or ())
     with checks.user_errors():
         prompt = checks.read_prompt(prompt, prompt_file)
         checks.check_caches(
@@ -115,6 +125,7 @@ def generate(
             rotation=rotate,
             outlier_channels=outlier_channels,
             pre_rope=pre_rope,
+            layer_overrides=overrides,
         )
         checks.check_dtype(dtype)
         checks.check_positive(max_new_tokens, "--max-new-tokens")
@@ -126,6 +137,8 @@ def generate(
             raise ValueError("--mesh splits a KIVI cache's tokens: pick a KIVI --cache")
         if mesh_axes and stream:
             raise ValueError("--mesh runs the jitted generation loop: drop --stream")
+        if mesh_axes and overrides:
+            raise ValueError("--layer-override runs on one device: drop --mesh")
         if prefill_chunk is not None:
             checks.check_positive(prefill_chunk, "--prefill-chunk")
             if stream:
@@ -165,6 +178,10 @@ def generate(
         pre_rope=pre_rope,
     )
     kcfg = kivi_jax.cache_config(cache, **cfg_kw) if cache != "fp16" else None
+    if overrides:
+        if is_gemma3:
+            checks.fail("--layer-override applies to Llama-family models, not Gemma 3")
+        cfg_kw["layer_overrides"] = tuple(kivi_jax.mixed.parse_override(t) for t in overrides)
     if not json_out:
         print(
             f"{config.name} ({dtype}), {cache} cache, {len(ids)} prompt tokens, "
@@ -208,6 +225,9 @@ def generate(
     shape = memory.KVShape(grows, config.num_kv_heads, config.head_dim)
     held = len(ids) + len(new) - 1  # the last token is never written to the cache
     per_tok = memory.bytes_per_token(shape, kcfg)
+    if overrides:  # the mean over the layers' own configurations
+        configs = kivi_jax.layer_configs(kcfg, grows, cfg_kw["layer_overrides"])
+        per_tok = shape.elements_per_token * kivi_jax.mixed.mean_bits(configs, shape.head_dim) / 8
     per_tok16 = memory.bytes_per_token(shape, None)
     result = dict(
         model=config.name,
@@ -232,6 +252,8 @@ def generate(
         implementation=implementation,
         prefill_chunk=prefill_chunk,
     )
+    if overrides:
+        result["layer_overrides"] = list(overrides)
     if json_out:
         print(json.dumps(result))
         return

@@ -302,9 +302,15 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
     """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
     with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation,
-    outlier_channels, pre_rope (the model's RoPE frequencies go with it). For a
+    outlier_channels, pre_rope (the model's RoPE frequencies go with it), layer_overrides
+    ((layers, KiviConfig fields) pairs: a `kivi_jax.MixedCache`). For a
     Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
     if isinstance(config, gemma3.Gemma3Config):
+        if kw.get("layer_overrides"):
+            raise NotImplementedError(
+                "layer overrides apply to Llama-family models: Gemma 3's cache holds its "
+                "global layers only"
+            )
         return gemma3.Gemma3Cache.init(
             cache, config, batch=batch, max_len=max_len, dtype=dtype, **kw
         )
@@ -330,10 +336,10 @@ def cache_nbytes(cache) -> int:
 
 def _cache_kw(group_size, residual_length, params, **knobs):
     """new_cache's keyword arguments: G and R where set, the knobs (sinks, rotation,
-    outlier_channels, pre_rope) where not their defaults."""
+    outlier_channels, pre_rope, layer_overrides) where not their defaults."""
     # per-layer weights decode in an unrolled loop: a dense cache there holds a buffer per layer
     kw = {"per_layer": llama.is_unstacked(params)}
-    kw.update({k: v for k, v in knobs.items() if v not in (0, "none", False)})
+    kw.update({k: v for k, v in knobs.items() if v not in (0, "none", False, ())})
     if group_size is not None:
         kw["group_size"] = group_size
     if residual_length is not None:
@@ -455,6 +461,7 @@ def generate(
     rotation: str = "none",
     outlier_channels: int = 0,
     pre_rope: bool = False,
+    layer_overrides: Sequence[tuple[Sequence[int], dict]] = (),
     mesh=None,
     rules=None,
     prefill_chunk: int | None = None,
@@ -463,7 +470,9 @@ def generate(
 
     cache: a name from kivi_jax.CACHE_NAMES ("fp16" is dense in the model dtype); group_size,
     residual_length, sinks, rotation, outlier_channels and pre_rope as
-    `kivi_jax.cache_config` takes them. Rows stop
+    `kivi_jax.cache_config` takes them; layer_overrides, (layers, KiviConfig fields) pairs
+    (`kivi_jax.mixed.parse_override`), change the config in those layers (a
+    `kivi_jax.MixedCache`; Llama family, one device). Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params)` to skip that copy on repeated calls.
@@ -483,6 +492,11 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if layer_overrides and mesh is not None:
+        raise NotImplementedError(
+            "layer overrides run on one device: kivi_jax.parallel shards a KiviCache, and a "
+            "MixedCache holds one per configuration"
+        )
     if prefill_chunk is not None and (
         not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
     ):
@@ -516,7 +530,11 @@ def generate(
         )
     dtype = params["embed"].dtype
     knobs = dict(
-        sinks=sinks, rotation=rotation, outlier_channels=outlier_channels, pre_rope=pre_rope
+        sinks=sinks,
+        rotation=rotation,
+        outlier_channels=outlier_channels,
+        pre_rope=pre_rope,
+        layer_overrides=tuple(layer_overrides),
     )
     kw = _cache_kw(group_size, residual_length, params, **knobs)
     if mesh is not None:
@@ -609,6 +627,7 @@ def stream(
     rotation: str = "none",
     outlier_channels: int = 0,
     pre_rope: bool = False,
+    layer_overrides: Sequence[tuple[Sequence[int], dict]] = (),
 ) -> Iterator[int]:
     """Yield generated token ids one by one (the stop token, if hit, is yielded last).
 
@@ -632,6 +651,7 @@ def stream(
             rotation=rotation,
             outlier_channels=outlier_channels,
             pre_rope=pre_rope,
+            layer_overrides=tuple(layer_overrides),
         ),
     )
     logits, c = prefill_jit(params, config, tokens, lengths, c)
