@@ -73,16 +73,29 @@ def peak_bytes() -> int | None:
 
 
 def filled_cache(
-    name, config, batch, context, steps, dtype, residual_length, group_size, per_layer=False
+    name,
+    config,
+    batch,
+    context,
+    steps,
+    dtype,
+    residual_length,
+    group_size,
+    per_layer=False,
+    knobs=None,
 ):
     """A cache with capacity context + steps whose rows hold `context` (zero) tokens
     (`per_layer`: a dense cache with a buffer per layer, as `generate` makes for per-layer
-    weights)."""
-    kw = dict(per_layer=per_layer) if name == "fp16" else dict(group_size=group_size)
+    weights; `knobs`: new_cache's sinks / rotation / layer_overrides for a quantized one)."""
+    kw = dict(per_layer=per_layer) if name == "fp16" else dict(group_size=group_size, **knobs or {})
     c = G.new_cache(
         name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
     )
-    return dataclasses.replace(c, lengths=jnp.full((batch,), context, jnp.int32))
+    held = lambda: jnp.full((batch,), context, jnp.int32)
+    if isinstance(c, kivi_jax.MixedCache):  # every part its own lengths (the loop donates them)
+        parts = tuple(dataclasses.replace(p, lengths=held()) for p in c.parts)
+        return dataclasses.replace(c, parts=parts)
+    return dataclasses.replace(c, lengths=held())
 
 
 def dense_path_of(impl: str, dtype) -> str:
@@ -113,7 +126,17 @@ def run_loop(params, config, cache, steps, impl, max_new):
 
 
 def measure(
-    params, config, cache_name, batch, context, steps, impl, dtype, residual_length, group_size
+    params,
+    config,
+    cache_name,
+    batch,
+    context,
+    steps,
+    impl,
+    dtype,
+    residual_length,
+    group_size,
+    knobs=None,
 ):
     """(compile+first-run seconds, timed seconds, tokens/s, cache bytes)."""
     t0 = time.perf_counter()
@@ -127,6 +150,7 @@ def measure(
         residual_length,
         group_size,
         llama.is_unstacked(params),
+        knobs,
     )
     c = fill()
     nbytes = c.nbytes().total
@@ -201,8 +225,30 @@ def main(argv=None):
         action="store_true",
         help="decode with stacked weights (the layer scan) on every backend",
     )
+    ap.add_argument("--sinks", type=int, default=0, help="KIVI caches: first N tokens exact")
+    ap.add_argument("--rotate", default="none", help="KIVI caches: none, keys, values, both")
+    ap.add_argument(
+        "--layer-override",
+        action="append",
+        default=[],
+        help="KIVI caches: 'LAYERS FIELD=VALUE ...' (kivi-jax eval's), repeatable; needs "
+        "--no-max-batch (the largest-batch prediction takes one config)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
     args = ap.parse_args(argv)
+    if args.layer_override and not args.no_max_batch:
+        ap.error("--layer-override needs --no-max-batch")
+    knobs = {}
+    try:
+        if args.sinks or args.rotate != "none":
+            kivi_jax.KiviConfig(sinks=args.sinks, rotation=args.rotate)
+            knobs.update(sinks=args.sinks, rotation=args.rotate)
+        if args.layer_override:
+            knobs["layer_overrides"] = tuple(
+                kivi_jax.mixed.parse_override(t) for t in args.layer_override
+            )
+    except ValueError as e:
+        ap.error(str(e))
 
     start = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
@@ -217,6 +263,9 @@ def main(argv=None):
         steps=args.steps,
         residual_length=args.residual,
         group_size=args.group_size,
+        sinks=args.sinks,
+        rotation=args.rotate,
+        layer_overrides=args.layer_override,
         layout="stacked" if args.stacked else "decode_layout",
         points=[],
         max_batch=[],
@@ -265,6 +314,7 @@ def main(argv=None):
                             dtype,
                             args.residual,
                             args.group_size,
+                            knobs,
                         )
                         rec.update(
                             compile_s=round(comp, 2),

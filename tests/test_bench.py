@@ -294,6 +294,27 @@ def test_generate_tiny_runs_and_writes_its_json(tmp_path):
     assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
 
 
+def test_generate_takes_cache_knobs_and_layer_overrides():
+    """--sinks, --rotate and --layer-override reach the KIVI caches (not the dense one): the
+    overridden layer's 4-bit keys and the sinks' buffer add bytes to plain kivi2's, the run
+    decodes; --layer-override without --no-max-batch and a bad override are usage errors."""
+    from bench import generate
+
+    base = ["--tiny", "--points", "2x40", "--steps", "2", "--no-max-batch"]
+    plain = generate.main([*base, "--caches", "fp16,kivi2"])["points"]
+    knobs = ["--sinks", "4", "--rotate", "both", "--layer-override", "1 key_bits=4"]
+    res = generate.main([*base, "--caches", "fp16,kivi2", *knobs])
+    (dense, mixed), (dense0, kivi) = res["points"], plain
+    assert "error" not in mixed and mixed["tokens_per_s"] > 0, mixed
+    assert dense["cache_bytes"] == dense0["cache_bytes"]
+    assert mixed["cache_bytes"] > kivi["cache_bytes"]
+    assert res["layer_overrides"] == ["1 key_bits=4"] and res["sinks"] == 4
+    for bad in (knobs[-2:], ["--no-max-batch", "--layer-override", "x key_bits=4"]):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--tiny", "--points", "2x40", *bad])
+        assert e.value.code == 2
+
+
 def test_prefill_tiny_runs_chunked_and_one_piece_and_writes_its_json(tmp_path):
     from bench import prefill
 
