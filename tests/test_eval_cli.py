@@ -87,6 +87,10 @@ def test_memory_command_table_flags_and_errors():
         (["ppl", "--layer-override", "0-x key_bits=4"], "layers must be indices or ranges"),
         (["ppl", "--cache", "fp16", "--layer-override", "0 key_bits=4"], "applies to quantized"),
         (["passkey", "--cache", "fp16", "--layer-override", "0 key_bits=4"], "applies to quant"),
+        (["layers", "--cache", "fp16"], "a layer screen changes a quantized cache"),
+        (["layers", "--change", "colour=4"], "--change 'colour=4'"),
+        (["layers", "--layers", "3-1"], "--layers"),
+        (["layers", "--group", "0"], "--group must be >= 1"),
     ],
 )
 def test_eval_bad_flags_fail_before_loading_a_model(args, msg):
@@ -262,3 +266,27 @@ def test_token_ids_score_exactly_those_tokens(tmp_path, monkeypatch):
     f.write_text(json.dumps([*ids, 10**6]))
     res = run("--token-ids", str(f))
     assert res.exit_code == 2 and "token id 1000000 outside the model's vocabulary" in res.output
+
+
+def test_layer_screen_ranks_each_set_as_eval_ppl_measures_it(tmp_path, monkeypatch):
+    """`eval layers` on SmolLM2 (a tiny protocol): its base and each row are exactly `eval ppl`
+    with and without that set's override on the same windows, the rows sorted by gain; a set
+    past the model's layers is refused after the load, before anything runs."""
+    monkeypatch.setenv("KIVI_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    proto = ["--prefill", "32", "--decode", "16", "--windows", "1", "--json"]
+    res = runner.invoke(app, ["eval", "layers", "--cache", "kivi2", "--layers", "0,29", *proto])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    ppl = lambda *extra: json.loads(
+        runner.invoke(app, ["eval", "ppl", "--cache", "kivi2", *proto, *extra]).stdout
+    )["ppl"]
+    assert out["base"]["ppl"] == ppl() and out["change"] == "key_bits=4"
+    rows = {tuple(r["layers"]): r for r in out["rows"]}
+    assert set(rows) == {(0,), (29,)}
+    for (layer,), r in rows.items():
+        assert r["ppl"] == ppl("--layer-override", f"{layer} key_bits=4")
+        assert r["delta"] == r["ppl"] - out["base"]["ppl"]
+        assert r["bits_per_element"] > out["base"]["bits_per_element"]
+    assert [r["delta"] for r in out["rows"]] == sorted(r["delta"] for r in out["rows"])
+    bad = runner.invoke(app, ["eval", "layers", "--cache", "kivi2", "--layers", "30", *proto])
+    assert bad.exit_code == 2 and "layer 30 outside [0, 30)" in bad.output

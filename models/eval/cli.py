@@ -212,6 +212,116 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
+@eval_app.command("layers")
+def layers_cmd(
+    model: ModelOpt = "smollm2",
+    cache: CacheOpt = "best3",
+    change: Annotated[
+        str, typer.Option(help="'FIELD=VALUE ...': the change, one set of layers at a time")
+    ] = "key_bits=4",
+    layers: Annotated[
+        str | None, typer.Option(help="Layers to screen, e.g. '0-29' or '10,12' (default: all)")
+    ] = None,
+    group: Annotated[int, typer.Option(help="Layers changed together (consecutive sets)")] = 1,
+    group_size: GroupOpt = None,
+    residual: ResidualOpt = 128,
+    sinks: SinksOpt = 0,
+    rotate: RotateOpt = "none",
+    outlier_channels: OutliersOpt = 0,
+    pre_rope: PreRopeOpt = False,
+    layer_override: LayerOverrideOpt = None,
+    prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
+    decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
+    windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 4,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Windows per batch (default: all at once)")
+    ] = None,
+    dtype: DtypeOpt = "float32",
+    implementation: Annotated[
+        str, typer.Option(help="Decode attention (as eval ppl): auto, reference, ...")
+    ] = "auto",
+    allow_unused_weights: AllowUnusedOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Rank a model's layers by what a change of format buys in each: the streaming perplexity
+    with --change in one set of layers at a time (e.g. 4-bit keys), against the cache without
+    it, on the same windows; the largest gain first. The first step of a per-layer
+    configuration (--layer-override)."""
+    from kivi_jax.mixed import parse_layers, parse_override
+    from models import cli_checks as checks
+    from models.eval import ppl
+
+    with checks.user_errors():  # every flag before the model loads
+        knobs = dict(
+            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
+        )
+        overrides = tuple(layer_override or ())
+        checks.check_caches([cache], group_size, residual, **knobs, layer_overrides=overrides)
+        spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs, layer_overrides=overrides)
+        if spec.config() is None:
+            raise ValueError(f"--cache {cache}: a layer screen changes a quantized cache")
+        try:
+            parse_override(f"0 {change}")
+        except ValueError as e:
+            raise ValueError(f"--change {change!r}: {e}") from None
+        try:
+            wanted = parse_layers(layers) if layers is not None else None
+        except ValueError as e:
+            raise ValueError(f"--layers: {e}") from None
+        checks.check_dtype(dtype)
+        for value, flag in (
+            (prefill, "--prefill"),
+            (decode, "--decode"),
+            (windows, "--windows"),
+            (batch_size, "--batch-size"),
+            (group, "--group"),
+        ):
+            checks.check_positive(value, flag)
+        checks.check_implementation(implementation, [cache])
+        checks.check_model_source(model)
+    from models.generate import decode_layout
+    from models.loader import enable_compile_cache, load_model
+
+    enable_compile_cache()
+    with checks.user_errors():
+        config, params, tokenizer = load_model(
+            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
+        )
+        if tokenizer is None:
+            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
+        params = decode_layout(params)
+        ppl.check_context(prefill, decode, config.max_position_embeddings)
+        which = wanted if wanted is not None else range(config.num_layers)
+        out = ppl.screen_layers(
+            params,
+            config,
+            tokenizer.encode(ppl.load_corpus(None), add_bos=False),
+            spec,
+            change,
+            ppl.layer_sets(which, group),
+            prefill_len=prefill,
+            decode_len=decode,
+            windows=windows,
+            batch_size=batch_size,
+            max_positions=config.max_position_embeddings,
+            implementation=implementation,
+        )
+    out = {"model": config.name, "corpus": "pydoc", "dtype": dtype, **out}
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    base = out["base"]
+    typer.echo(
+        f"{config.name} {cache} (bits/elem {base['bits_per_element']:g}): perplexity "
+        f"{base['ppl']:.4f}; with {change} in one set of layers at a time "
+        f"(P={prefill}, T={decode}, {windows} windows):"
+    )
+    typer.echo(f"{'layers':>16} {'ppl':>9} {'delta':>8} {'bits':>6}")
+    for r in out["rows"]:
+        name = ",".join(str(x) for x in r["layers"])
+        typer.echo(f"{name:>16} {r['ppl']:9.4f} {r['delta']:+8.4f} {r['bits_per_element']:6.3f}")
+
+
 @eval_app.command("passkey")
 def passkey_cmd(
     model: ModelOpt = "smollm2",

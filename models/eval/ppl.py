@@ -619,3 +619,65 @@ def evaluate_ppl(
         "residual_length": spec.residual_length if cfg is not None else None,
         "seconds": round(seconds, 2),
     }
+
+
+# ---------------------------------------------------------------- per-layer screen
+
+
+def layer_sets(layers: Sequence[int], group: int) -> list[tuple[int, ...]]:
+    """`layers` in consecutive sets of `group` (the last may be shorter): what `screen_layers`
+    changes one set at a time."""
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    layers = tuple(layers)
+    return [layers[i : i + group] for i in range(0, len(layers), group)]
+
+
+def screen_layers(
+    params,
+    model_config,
+    tokens: Sequence[int],
+    spec: CacheSpec,
+    change: str,
+    sets: Sequence[Sequence[int]],
+    **protocol,
+) -> dict:
+    """Which layers repay a change of format: the streaming perplexity of `spec` with `change`
+    ("FIELD=VALUE ...", e.g. "key_bits=4") in one set of layers at a time, against `spec`
+    itself, on the same windows (`evaluate_ppl`'s `protocol` keywords). Returns {"base":
+    spec's result, "change": change, "rows": one per set (layers, ppl, delta against the base,
+    bits_per_element, delta per added bit), the largest gain first}. Every override is checked
+    against the model's layers (and the spec's own overrides) before anything runs: a bad
+    change, a layer out of range or in two overrides raises ValueError. A change of every
+    layer at once is the uniform format, which `eval ppl` measures."""
+    from kivi_jax.mixed import parse_override
+
+    if spec.config() is None:
+        raise ValueError(f"a layer screen changes a quantized cache's format, not {spec.name!r}")
+    if not sets:
+        raise ValueError("no layers to screen")
+    specs = []
+    for layers in sets:
+        text = f"{','.join(str(layer) for layer in layers)} {change}"
+        parse_override(text)
+        changed = dataclasses.replace(spec, layer_overrides=(*spec.layer_overrides, text))
+        changed.layer_configs(model_config.num_layers)  # range, overlap, fields
+        specs.append((tuple(layers), changed))
+    base = evaluate_ppl(params, model_config, tokens, spec, **protocol)
+    rows = []
+    for layers, changed in specs:
+        out = evaluate_ppl(params, model_config, tokens, changed, **protocol)
+        delta = out["ppl"] - base["ppl"]
+        added = out["bits_per_element"] - base["bits_per_element"]
+        rows.append(
+            dict(
+                layers=list(layers),
+                ppl=out["ppl"],
+                delta=delta,
+                bits_per_element=out["bits_per_element"],
+                delta_per_bit=delta / added if added else None,
+                seconds=out["seconds"],
+            )
+        )
+    rows.sort(key=lambda r: r["delta"])
+    return {"base": base, "change": change, "rows": rows}
