@@ -224,10 +224,11 @@ def generate(
     grows = len(config.global_layers) if is_gemma3 else config.num_layers
     shape = memory.KVShape(grows, config.num_kv_heads, config.head_dim)
     held = len(ids) + len(new) - 1  # the last token is never written to the cache
-    per_tok = memory.bytes_per_token(shape, kcfg)
     if overrides:  # the mean over the layers' own configurations
         configs = kivi_jax.layer_configs(kcfg, grows, cfg_kw["layer_overrides"])
         per_tok = shape.elements_per_token * kivi_jax.mixed.mean_bits(configs, shape.head_dim) / 8
+    else:
+        per_tok = memory.bytes_per_token(shape, kcfg)
     per_tok16 = memory.bytes_per_token(shape, None)
     result = dict(
         model=config.name,

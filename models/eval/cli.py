@@ -65,6 +65,35 @@ AllowUnusedOpt = Annotated[
 ]
 
 
+def _knobs(sinks, rotate, outlier_channels, pre_rope, layer_override) -> tuple[dict, tuple]:
+    """The cache flags every eval command shares: (CacheSpec.named's knobs, the overrides)."""
+    knobs = dict(sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope)
+    return knobs, tuple(layer_override or ())
+
+
+def _check_positive(*pairs) -> None:
+    from models import cli_checks as checks
+
+    for value, flag in pairs:
+        checks.check_positive(value, flag)
+
+
+def _load(model: str, dtype: str, as_json: bool, allow_unused: bool, need_tokenizer: bool = True):
+    """(config, params, tokenizer) of --model for an eval command: the compile cache on, the
+    weights in the decode layout (per-layer on GPUs, docs/generation.md); ValueError where a
+    tokenizer is needed and the source has none. Call inside `cli_checks.user_errors()`."""
+    from models.generate import decode_layout
+    from models.loader import enable_compile_cache, load_model
+
+    enable_compile_cache()
+    config, params, tokenizer = load_model(
+        model, dtype, progress=not as_json, allow_unused=allow_unused
+    )
+    if tokenizer is None and need_tokenizer:
+        raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
+    return config, decode_layout(params), tokenizer
+
+
 @eval_app.command("ppl")
 def ppl_cmd(
     model: ModelOpt = "smollm2",
@@ -113,21 +142,17 @@ def ppl_cmd(
     from models.eval import ppl
 
     with checks.user_errors():  # every flag before the model loads
-        knobs = dict(
-            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
-        )
-        overrides = tuple(layer_override or ())
+        knobs, overrides = _knobs(sinks, rotate, outlier_channels, pre_rope, layer_override)
         checks.check_caches([cache], group_size, residual, **knobs, layer_overrides=overrides)
         spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs, layer_overrides=overrides)
         checks.check_dtype(dtype)
-        for value, flag in (
+        _check_positive(
             (prefill, "--prefill"),
             (decode, "--decode"),
             (windows, "--windows"),
             (batch_size, "--batch-size"),
             (prefill_chunk, "--prefill-chunk"),
-        ):
-            checks.check_positive(value, flag)
+        )
         checks.check_implementation(implementation, [cache])
         if protocol not in ppl.PROTOCOLS:
             raise ValueError(f"--protocol must be one of {ppl.PROTOCOLS}, got {protocol!r}")
@@ -144,17 +169,10 @@ def ppl_cmd(
                 "--mesh splits a KIVI cache's tokens: --protocol streaming, a KIVI --cache"
             )
     checks.host_devices(mesh_axes)  # before the first JAX computation
-    from models.generate import decode_layout
-    from models.loader import enable_compile_cache, load_model
-
-    enable_compile_cache()
     with checks.user_errors():
-        config, params, tokenizer = load_model(
-            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
+        config, params, tokenizer = _load(
+            model, dtype, as_json, allow_unused_weights, need_tokenizer=ids is None
         )
-        if tokenizer is None and ids is None:
-            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
-        params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
         ppl.check_context(prefill, decode, config.max_position_embeddings)
         if ids is not None:
             tokens = ids
@@ -252,10 +270,7 @@ def layers_cmd(
     from models.eval import ppl
 
     with checks.user_errors():  # every flag before the model loads
-        knobs = dict(
-            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
-        )
-        overrides = tuple(layer_override or ())
+        knobs, overrides = _knobs(sinks, rotate, outlier_channels, pre_rope, layer_override)
         checks.check_caches([cache], group_size, residual, **knobs, layer_overrides=overrides)
         spec = ppl.CacheSpec.named(cache, group_size, residual, **knobs, layer_overrides=overrides)
         if spec.config() is None:
@@ -269,27 +284,17 @@ def layers_cmd(
         except ValueError as e:
             raise ValueError(f"--layers: {e}") from None
         checks.check_dtype(dtype)
-        for value, flag in (
+        _check_positive(
             (prefill, "--prefill"),
             (decode, "--decode"),
             (windows, "--windows"),
             (batch_size, "--batch-size"),
             (group, "--group"),
-        ):
-            checks.check_positive(value, flag)
+        )
         checks.check_implementation(implementation, [cache])
         checks.check_model_source(model)
-    from models.generate import decode_layout
-    from models.loader import enable_compile_cache, load_model
-
-    enable_compile_cache()
     with checks.user_errors():
-        config, params, tokenizer = load_model(
-            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
-        )
-        if tokenizer is None:
-            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
-        params = decode_layout(params)
+        config, params, tokenizer = _load(model, dtype, as_json, allow_unused_weights)
         ppl.check_context(prefill, decode, config.max_position_embeddings)
         which = wanted if wanted is not None else range(config.num_layers)
         out = ppl.screen_layers(
@@ -371,19 +376,15 @@ def passkey_cmd(
 
     names = cache or ["fp16", "kivi2"]
     with checks.user_errors():  # every flag before the model loads
-        knobs = dict(
-            sinks=sinks, rotation=rotate, outlier_channels=outlier_channels, pre_rope=pre_rope
-        )
-        overrides = tuple(layer_override or ())
+        knobs, overrides = _knobs(sinks, rotate, outlier_channels, pre_rope, layer_override)
         checks.check_caches(names, group_size, residual, **knobs, layer_overrides=overrides)
         checks.check_dtype(dtype)
-        for value, flag in (
+        _check_positive(
             (trials, "--trials"),
             (max_new_tokens, "--max-new-tokens"),
             (batch_size, "--batch-size"),
             (prefill_chunk, "--prefill-chunk"),
-        ):
-            checks.check_positive(value, flag)
+        )
         checks.check_implementation(implementation, names)
         specs = [
             ppl.CacheSpec.named(c, group_size, residual, **knobs, layer_overrides=overrides)
@@ -403,17 +404,8 @@ def passkey_cmd(
                 "--mode streamed feeds the prompt token by token: drop --prefill-chunk"
             )
         checks.check_model_source(model)
-    from models.generate import decode_layout
-    from models.loader import enable_compile_cache, load_model
-
-    enable_compile_cache()
     with checks.user_errors():
-        config, params, tokenizer = load_model(
-            model, dtype, progress=not as_json, allow_unused=allow_unused_weights
-        )
-        if tokenizer is None:
-            raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
-        params = decode_layout(params)  # per-layer weights on GPUs (docs/generation.md)
+        config, params, tokenizer = _load(model, dtype, as_json, allow_unused_weights)
         results = passkey.evaluate_passkey(
             params,
             config,
@@ -466,13 +458,12 @@ def report_cmd(
     from models.eval import report
 
     with checks.user_errors():
-        for value, flag in (
+        _check_positive(
             (prefill, "--prefill"),
             (decode, "--decode"),
             (windows, "--windows"),
             (trials, "--trials"),
-        ):
-            checks.check_positive(value, flag)
+        )
     settings = report.GridSettings(
         model=model, prefill=prefill, decode=decode, windows=windows, passkey_trials=trials
     )
