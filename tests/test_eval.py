@@ -331,12 +331,24 @@ def test_report_formats_table_and_best_at_budget(tmp_path):
         CacheSpec("mxfp4", 32, 128),
         CacheSpec("kivi4", 32, 128),
     ]
-    recs += [_passkey_task("prefill", specs, 1.0), _passkey_task("streamed", specs, 2 / 3)]
+    gpu = dict(date="2026-12-05 15:00 UTC", backend="gpu", devices="NVIDIA H200", jax="0.11.2")
+    recs += [
+        {**_passkey_task("prefill", specs, 1.0), **gpu},
+        {**_passkey_task("streamed", specs, 2 / 3), **gpu},
+    ]
     assert report.formats_passkey_specs(recs) == specs  # later tasks: the same caches
     path = tmp_path / "results.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     text = report.write_report(path, tmp_path / "docs", "kivi-jax eval report").read_text()
     assert "## Formats" in text
+    # the passkey tasks may run on another machine than the perplexity rows: named once
+    assert (
+        text.count(
+            "Formats passkey tasks run: 2026-12-05 15:00 UTC, backend gpu (NVIDIA H200), "
+            "jax 0.11.2, jaxlib ?."
+        )
+        == 1
+    )
     assert (
         "| cache | G | sinks | rotation | outlier channels | bits/elem | streaming ppl | vs fp16 "
         "| simulated ppl | passkey prefill | passkey streamed |" in text

@@ -1010,6 +1010,9 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         *rows,
         "",
     ]
+    runs = _environments(passkeys)  # they may run elsewhere than the perplexity rows
+    if runs:
+        out += [f"Formats passkey tasks run: {'; '.join(runs)}.", ""]
     front = pareto_front(points)
     if front:
         out.append(
@@ -1020,6 +1023,19 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         )
     out += _best_at_budget(stream, base)
     out.append("")
+    return out
+
+
+def _environments(records: list[dict]) -> list[str]:
+    """The distinct runs (date, machine, backend, versions) of `records`, in order."""
+    out = []
+    for r in records:
+        env = (
+            f"{r.get('date', '?')}, backend {r.get('backend', '?')} ({r.get('devices', '?')}), "
+            f"jax {r.get('jax', '?')}, jaxlib {r.get('jaxlib', '?')}"
+        )
+        if env not in out:
+            out.append(env)
     return out
 
 
