@@ -491,6 +491,8 @@ CLI_FLAG_CASES = [
     pytest.param(["eval", "passkey", "--implementation", "pallas-lowp"],
                  ["--implementation pallas-lowp"], marks=needs_no_pallas),
     (["eval", "report", "--windows", "0"], ["--windows", "got 0"]),
+    (["eval", "report", "--only", "pasky:"], ["--only 'pasky:'", "no task id starts with it"]),
+    (["eval", "report", "--only", "sim:", "--write-only"], ["--only", "--write-only runs none"]),
     (["memory", "--model", "smollm2", "--params", "-7e9"], ["--params", "-7000000000.0"]),
     (["memory", "--model", "smollm2", "--params", "nan"], ["--params", "nan"]),
     (["memory", "--model", "smollm2", "--params", "inf"], ["--params", "inf"]),

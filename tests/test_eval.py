@@ -260,6 +260,21 @@ def test_report_plan_has_the_format_tasks_with_unique_ids():
         assert 1.0 not in t["depths"] and len(t["depths"]) * t["trials"] >= 10
 
 
+def test_report_task_filter_selects_by_id_prefix():
+    from models.eval import report
+
+    tasks = report.plan(report.GridSettings())
+    ids = [t["id"] for t in tasks]
+    assert report.task_filter(()) is None  # no --only: every task
+    only = report.task_filter(["passkey:formats", "stream:fp8"])
+    picked = [t["id"] for t in tasks if only(t)]
+    assert picked == [i for i in ids if i.startswith(("passkey:formats", "stream:fp8"))]
+    assert "passkey:formats-long:streamed" in picked and "stream:fp8/G64/R128" in picked
+    assert not any(i.startswith(("sim:", "passkey:short", "keys")) for i in picked)
+    with pytest.raises(ValueError, match="'pasky:': no task id starts with it"):
+        report.task_filter(["pasky:"])  # a typo would otherwise run nothing
+
+
 def test_report_old_records_without_sinks_or_rotation_still_match():
     from models.eval import report
     from models.eval.ppl import CacheSpec

@@ -451,6 +451,13 @@ def report_cmd(
     write_only: Annotated[
         bool, typer.Option(help="Only write the report from the results file")
     ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Run only the tasks whose id starts with this (repeatable; e.g. 'stream:', "
+            "'passkey:formats'): one grid split over machines"
+        ),
+    ] = None,
 ) -> None:
     """Run the cache grid (perplexity both ways, passkey, key magnitudes) on a real model and
     write docs/accuracy.md with plots. Tasks already in --results are skipped (resumable)."""
@@ -464,11 +471,14 @@ def report_cmd(
             (windows, "--windows"),
             (trials, "--trials"),
         )
+        if only and write_only:
+            raise ValueError("--only picks the tasks to run; --write-only runs none")
+        selected = report.task_filter(only or ())
     settings = report.GridSettings(
         model=model, prefill=prefill, decode=decode, windows=windows, passkey_trials=trials
     )
     if not write_only:
-        report.run_grid(results, settings, log=lambda m: typer.echo(m))
+        report.run_grid(results, settings, only=selected, log=lambda m: typer.echo(m))
     # The command that reproduces the grid (the same whether this call ran it or only wrote).
     args = [
         "--results",

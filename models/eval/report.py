@@ -16,7 +16,7 @@ import math
 import platform
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -315,6 +315,20 @@ def key_magnitudes(params, config, tokens: np.ndarray, layers) -> dict:
         out["outlier_ratio_k"].append(float((k.max(1) / np.median(k, 1)).mean()))
         out["outlier_ratio_v"].append(float((v.max(1) / np.median(v, 1)).mean()))
     return out
+
+
+def task_filter(prefixes: Sequence[str]) -> Callable[[dict], bool] | None:
+    """`run_grid`'s `only` for task ids starting with any of `prefixes` (e.g. "stream:",
+    "passkey:formats"): a grid split over machines (the perplexity rows on a CPU, the long
+    passkeys on a GPU), each appending to its copy of the results file. None: every task.
+    ValueError for a prefix no task of the default plan starts with (a typo runs nothing)."""
+    if not prefixes:
+        return None
+    ids = [t["id"] for t in plan(GridSettings())]
+    for p in prefixes:
+        if not any(i.startswith(p) for i in ids):
+            raise ValueError(f"--only {p!r}: no task id starts with it (ids look like {ids[1]!r})")
+    return lambda t: t["id"].startswith(tuple(prefixes))
 
 
 def run_grid(
@@ -746,7 +760,9 @@ def write_report(
         "",
         "PATH is a .gguf file or a Hugging Face checkpoint directory of a Llama-family model; "
         "`--text-file` scores any text instead of the pydoc corpus; `--token-ids FILE` (a JSON "
-        "list) scores exactly those tokens, to compare with another tool on the same ones.",
+        "list) scores exactly those tokens, to compare with another tool on the same ones. "
+        "`eval report --only PREFIX` runs the tasks whose id starts with PREFIX (e.g. "
+        "`passkey:formats` on a GPU, `stream:` on a CPU), appending to one results file.",
         "",
     ]
     md = docs / "accuracy.md"
