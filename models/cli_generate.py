@@ -107,7 +107,6 @@ def generate(
     import jax.numpy as jnp
 
     import kivi_jax
-    from kivi_jax import memory
     from models import cli_checks as checks
     from models import generate as gen
     from models.loader import enable_compile_cache, load_model
@@ -220,16 +219,8 @@ def generate(
         )
     new = out.tokens[0]
     text = tok.decode(new)
-    # Gemma 3: only the global layers' cache grows with the context (the local rings are fixed)
-    grows = len(config.global_layers) if is_gemma3 else config.num_layers
-    shape = memory.KVShape(grows, config.num_kv_heads, config.head_dim)
     held = len(ids) + len(new) - 1  # the last token is never written to the cache
-    if overrides:  # the mean over the layers' own configurations
-        configs = kivi_jax.layer_configs(kcfg, grows, cfg_kw["layer_overrides"])
-        per_tok = shape.elements_per_token * kivi_jax.mixed.mean_bits(configs, shape.head_dim) / 8
-    else:
-        per_tok = memory.bytes_per_token(shape, kcfg)
-    per_tok16 = memory.bytes_per_token(shape, None)
+    per_tok, per_tok16 = _bytes_per_token(config, kcfg, cfg_kw.get("layer_overrides"))
     result = dict(
         model=config.name,
         cache=cache,
@@ -259,8 +250,33 @@ def generate(
         print(json.dumps(result))
         return
     print(text)
+    _print_summary(out, len(new), per_tok, per_tok16, residual_length if kcfg else 0, status)
+
+
+def _bytes_per_token(config, kcfg, layer_overrides) -> tuple[float, float]:
+    """(bytes per cached token of the cache, of a 16-bit dense one) for the model: with layer
+    overrides the mean over the layers' own configurations; Gemma 3 counts only its global
+    layers, whose cache grows with the context (the local rings are fixed)."""
+    import kivi_jax
+    from kivi_jax import memory
+    from models.gemma3 import Gemma3Config
+
+    grows = len(config.global_layers) if isinstance(config, Gemma3Config) else config.num_layers
+    shape = memory.KVShape(grows, config.num_kv_heads, config.head_dim)
+    if layer_overrides:
+        configs = kivi_jax.layer_configs(kcfg, grows, layer_overrides)
+        per_tok = shape.elements_per_token * kivi_jax.mixed.mean_bits(configs, shape.head_dim) / 8
+    else:
+        per_tok = memory.bytes_per_token(shape, kcfg)
+    return per_tok, memory.bytes_per_token(shape, None)
+
+
+def _print_summary(out, n_new: int, per_tok: float, per_tok16: float, window: int, status):
+    """The speed and memory lines printed after the answer (not with --json)."""
+    from kivi_jax import memory
+
     print(
-        f"\n{len(new)} tokens; decode {out.decode_tokens_per_second:.1f} tokens/s "
+        f"\n{n_new} tokens; decode {out.decode_tokens_per_second:.1f} tokens/s "
         f"(prefill {out.prefill_seconds:.2f} s, decode {out.decode_seconds:.2f} s, "
         f"compilation {out.compile_seconds:.1f} s not counted)",
         file=status,
@@ -270,7 +286,7 @@ def generate(
         f"vs {memory.format_bytes(out.dense16_cache_bytes)} for a 16-bit dense cache; "
         f"per cached token {per_tok:.0f} B vs {per_tok16:.0f} B "
         f"({per_tok16 / per_tok:.2f}x smaller once past the residual window of "
-        f"{residual_length if kcfg else 0} tokens)",
+        f"{window} tokens)",
         file=status,
     )
 
