@@ -171,7 +171,7 @@ def test_pad_prompts():
 # ---------------------------------------------------------------- the report's formats grid
 
 
-def _ppl_rec(proto, cache, g, r, bits, p, sinks=None, rotation=None):
+def _ppl_rec(proto, cache, g, r, bits, p, sinks=None, rotation=None, **knobs):
     rec = {
         "id": f"{proto}:{cache}/G{g}/R{r}/S{sinks}/{rotation}",
         "kind": "ppl",
@@ -190,7 +190,7 @@ def _ppl_rec(proto, cache, g, r, bits, p, sinks=None, rotation=None):
     }
     if sinks is not None:  # records from before sinks and rotation existed have neither field
         rec.update(sinks=sinks, rotation=rotation)
-    return rec
+    return {**rec, **knobs}
 
 
 def _passkey_task(mode, specs, accuracy):
@@ -336,6 +336,8 @@ def test_report_formats_table_and_best_at_budget(tmp_path):
         _ppl_rec("streaming", "mxfp4", 32, 128, 4.25, 10.5, sinks=0, rotation="none"),
         _ppl_rec("streaming", "fp8", 64, 128, 8.25, 10.6, sinks=0, rotation="none"),  # beaten
         _ppl_rec("streaming", "kivi4", 32, 128, 5.0, 10.2, sinks=0, rotation="none"),
+        # keys before RoPE: a row of its own beside the post-RoPE twin (not on the front)
+        _ppl_rec("streaming", "kivi2", 64, 128, 2.5, 13.5, 8, "both", pre_rope=True),
     ]
     # The formats passkey runs fp16 and the Pareto front, with each spec's sinks and rotation.
     specs = report.formats_passkey_specs(recs)
@@ -365,13 +367,17 @@ def test_report_formats_table_and_best_at_budget(tmp_path):
         == 1
     )
     assert (
-        "| cache | G | sinks | rotation | outlier channels | bits/elem | streaming ppl | vs fp16 "
-        "| simulated ppl | passkey prefill | passkey streamed |" in text
+        "| cache | G | sinks | rotation | keys before RoPE | outlier channels | bits/elem "
+        "| streaming ppl | vs fp16 | simulated ppl | passkey prefill | passkey streamed |" in text
     )
-    assert "| fp16 | - | - | - | - | 16.00 | 10.000 | +0.0% | 10.000 | 12/12 | 8/12 |" in text
-    assert "| kivi2 | 32 | 0 | none | 0 | 3.00 | 12.500 | +25.0% | 20.000 | - | - |" in text
-    assert "| kivi2 | 32 | 8 | both | 0 | 3.00 | 11.000 | +10.0% | 14.000 | 12/12 | 8/12 |" in text
-    assert "| fp8 | 64 | 0 | none | 0 | 8.25 | 10.600 | +6.0% | - | - | - |" in text
+    assert "| fp16 | - | - | - | - | - | 16.00 | 10.000 | +0.0% | 10.000 | 12/12 | 8/12 |" in text
+    assert "| kivi2 | 32 | 0 | none | no | 0 | 3.00 | 12.500 | +25.0% | 20.000 | - | - |" in text
+    assert (
+        "| kivi2 | 32 | 8 | both | no | 0 | 3.00 | 11.000 | +10.0% | 14.000 | 12/12 | 8/12 |"
+        in text
+    )
+    assert "| fp8 | 64 | 0 | none | no | 0 | 8.25 | 10.600 | +6.0% | - | - | - |" in text
+    assert "| kivi2 | 64 | 8 | both | yes | 0 | 2.50 | 13.500 | +35.0% | - | - | - |" in text
     assert (
         "- Best at <= 3.0 bits per element by streaming perplexity: kivi2 G32 R128 S8 rot=both "
         "(3.00 bits, 11.000, +10.0% over fp16)." in text

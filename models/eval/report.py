@@ -1001,6 +1001,7 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         rows.append(
             f"| {spec.name} | {'-' if dense else spec.group_size} | "
             f"{'-' if dense else spec.sinks} | {'-' if dense else spec.rotation} | "
+            f"{'-' if dense else ('yes' if spec.pre_rope else 'no')} | "
             f"{'-' if dense else spec.outlier_channels} | {_fmt(bits)} | "
             f"{_fmt(st and st['ppl'], 3)} | {rel} | {_fmt(si and si['ppl'], 3)} | "
             + " | ".join("-" if pk[m] is None else f"{pk[m][0]}/{pk[m][1]}" for m in MODES)
@@ -1020,9 +1021,11 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         "caches on the Pareto front; - where not run), the whole prompt prefilled exactly "
         '("prefill") or the needle and what follows streamed through the cache ("streamed").',
         "",
-        "| cache | G | sinks | rotation | outlier channels | bits/elem | streaming ppl | vs fp16 "
-        "| simulated ppl | " + " | ".join(f"passkey {m}" for m in MODES) + " |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(MODES),
+        "| cache | G | sinks | rotation | keys before RoPE | outlier channels | bits/elem "
+        "| streaming ppl | vs fp16 | simulated ppl | "
+        + " | ".join(f"passkey {m}" for m in MODES)
+        + " |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(MODES),
         *rows,
         "",
     ]
