@@ -985,11 +985,12 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
     from models.eval.passkey import MODES
 
     base = _find(stream, "fp16")
-    rows, points = [], []
+    rows, points, used = [], [], []
     in_order = sorted(FORMAT_ROWS, key=lambda s: _order({"cache": s.name, **vars(s)}))
     for spec in in_order:
         st = _find_rec(stream, spec)
         si = _find_rec(sim, spec, any_residual=True)
+        used += [r for r in (st, si) if r is not None]
         pk = {mode: _passkey_count(passkeys, spec, mode) for mode in MODES}
         if st is None and si is None and not any(pk.values()):
             continue
@@ -1029,7 +1030,9 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
         *rows,
         "",
     ]
-    runs = _environments(passkeys)  # they may run elsewhere than the perplexity rows
+    # the rows may come from several runs (a grid resumed, its passkeys on another machine)
+    out += [f"Perplexity rows run: {'; '.join(_environments(used))}.", ""]
+    runs = _environments(passkeys)
     if runs:
         out += [f"Formats passkey tasks run: {'; '.join(runs)}.", ""]
     front = pareto_front(points)
