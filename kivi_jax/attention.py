@@ -35,6 +35,7 @@ from jax import Array
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
 from kivi_jax.mixed import MixedCache
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
+from pallas_kernels.merge import mask_logits as _mask_logits
 from pallas_kernels.merge import merge_partials as _merge
 
 IMPLEMENTATIONS = (
@@ -73,13 +74,6 @@ def _check_query(q: Array, cache) -> None:
 def _group_query(q: Array, kv_heads: int, scale: float) -> Array:
     b, hq, d = q.shape
     return q.astype(jnp.float32).reshape(b, kv_heads, hq // kv_heads, d) * scale
-
-
-def _mask_logits(s: Array, mask: Array) -> Array:
-    """Logits s at held positions (mask), -inf elsewhere. A held logit of -inf (an infinite
-    key, or a q.k overflowing float32) becomes NaN: as -inf it would weigh 0, the key silently
-    ignored, while +inf already ends in NaN (inf / inf)."""
-    return jnp.where(mask, jnp.where(s == -jnp.inf, jnp.nan, s), -jnp.inf)
 
 
 def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
@@ -264,29 +258,6 @@ def quantized_region_dense(qg: Array, cache: KiviCache, layer, num_tokens: Array
     return _softmax_attend(qg, k, v, held)
 
 
-def with_sinks(qg: Array, cache: KiviCache, layer, start: Array, o: Array, lse: Array):
-    """The partial (o [B, Hkv, r, D], lse [B, Hkv, r]) of the rest of each row joined by the
-    sinks it holds below `start` (`cache.quantized_split()`: those at or past it are in the
-    windows), read exactly from their buffers, float32; the kernel skips their stand-in codes.
-
-    One pass: the sinks' logits and the partial's lse share one max and one sum, as
-    `merge_partials` of the two would give. N is small, so the products are multiply-and-
-    reduce, which XLA fuses with the softmax and the merge (GEMMs and a separate merge cost
-    nine launches per call); the edges are `_mask_logits`' and `merge_partials`'."""
-    k = cache.keys.sink[layer].astype(jnp.float32)[:, :, None]  # [B, Hkv, 1, N, D]
-    v = cache.values.sink[layer].astype(jnp.float32)[:, :, None]
-    held = (jnp.arange(cache.keys.sinks)[None, :] < start[:, None])[:, None, None, :]
-    s = _mask_logits(jnp.sum(qg.astype(jnp.float32)[..., None, :] * k, axis=-1), held)
-    m = jnp.maximum(lse, jnp.max(s, axis=-1))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w, p = jnp.exp(lse - m), jnp.exp(s - m[..., None])  # [B, Hkv, r], [B, Hkv, r, N]
-    total = w + jnp.sum(p, axis=-1)
-    num = w[..., None] * o + jnp.sum(p[..., None] * v, axis=-2)
-    ok = total > 0
-    o = num / jnp.where(ok, total, 1.0)[..., None]
-    return o, jnp.where(ok, m + jnp.log(jnp.where(ok, total, 1.0)), -jnp.inf)
-
-
 def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Array, Array]:
     """Attention over positions [start, lengths) of each row (the residual tail), float32;
     start is `cache.quantized_split()`."""
@@ -322,14 +293,17 @@ def kernel_on_cache(
     tuning=None,
     low_precision: bool = False,
     windows=None,
-    skip: int = 0,
+    sinks: Array | None = None,
 ) -> tuple[Array, Array]:
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
-    lse [B, Hq]) of positions [skip, num_tokens) of `layer` (with `windows`, the cache's windows
-    too, num_tokens being the rows' lengths, capped at the cache's max_len)."""
+    lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
+    too, num_tokens being the rows' lengths, capped at the cache's max_len). A cache with
+    sinks: `sinks` [B], how many of them each row holds outside its windows (`sinks_held`),
+    attended from their buffers and merged with the kernel's splits in one pass."""
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
+    n_sinks = k.sinks if sinks is not None else 0
     return kernel.kivi_decode(
         q,
         k.codes,
@@ -349,7 +323,8 @@ def kernel_on_cache(
         low_precision=low_precision,
         windows=windows,
         max_len=cache.max_len if windows else 0,
-        skip=skip,
+        skip=n_sinks,
+        sinks=(k.sink, v.sink, sinks) if n_sinks else None,
     )
 
 
@@ -370,6 +345,7 @@ def _kivi_pallas(
             "the Pallas KIVI kernel runs on Hopper (sm_90) GPUs; on this backend "
             f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
         )
+    m = cache.quantized_split()
     call = lambda num_tokens, windows=None: kernel_on_cache(
         q,
         cache,
@@ -380,24 +356,19 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
         windows=windows,
-        skip=cache.keys.sinks,
+        # the sinks below the split (those at or past it are in the windows / tail)
+        sinks=jnp.minimum(m, cache.keys.sinks) if cache.keys.sinks else None,
     )
-    m = cache.quantized_split()
-
-    def finish(o, lse):
-        o, lse = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
-        return with_sinks(qg, cache, layer, m, o, lse) if cache.keys.sinks else (o, lse)
-
+    grouped = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if kernel_window(cache):
         # One launch: the kernel attends the windows too (where they fit its shared memory).
         try:
             o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
-            return finish(*_settled(o, lse, interpret))
+            return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
-    o, lse = _settled(*call(m), interpret)
-    main = o.reshape(qg.shape), lse.reshape(qg.shape[:-1])
-    return finish(*merge_partials([main, tail_attention(qg, cache, layer, m)]))
+    main = grouped(*_settled(*call(m), interpret))
+    return merge_partials([main, tail_attention(qg, cache, layer, m)])
 
 
 def kernel_window(cache: KiviCache) -> int:

@@ -282,15 +282,30 @@ def interpreter(detect_races: bool = True):
     return plgpu.InterpretGPUParams(detect_races=detect_races)
 
 
-def run_case(case: Case, seed: int, interpret, skip: int = 0):
+def case_sinks(case: Case, seed: int, n: int, L: int = 3):
+    """Random sinks of `case` (k, v [L, B, Hkv, n, D] in the query's dtype, larger than the
+    cache's keys as attention sinks are) and how many each row attends (all, half, none, ...)."""
+    kk, kv = jax.random.split(jax.random.key(seed + 100))
+    shape = (L, case.B, case.Hkv, n, case.D)
+    k = (3.0 * jax.random.normal(kk, shape)).astype(case.dtype)
+    v = jax.random.normal(kv, shape).astype(case.dtype)
+    held = jnp.asarray([(n, n // 2, 0)[b % 3] for b in range(case.B)], jnp.int32)
+    return k, v, held
+
+
+def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
     """The kernel on `case` (interpret: the GPU interpreter's params or True; False: natively)
     against the twin within the case's tolerance; the interpreter's race detector clean.
-    skip: positions [0, skip) not attended (a cache's sinks)."""
+    skip: positions [0, skip) not attended (a cache's sinks); sinks: that many sinks attended
+    from buffers of their own (`case_sinks`, skip = sinks), merged with the splits; then also
+    against the call without them merged with the sinks' own softmax in float64."""
     cache = case_cache(case, seed)
     q = make_q(seed + 1, case.B, case.Hq, case.D, case.dtype)
     nt = jnp.asarray(case.lengths, jnp.int32)
     windows = case_windows(case, seed)
-    o, lse = kivi_decode(
+    sink_bufs = case_sinks(case, seed, sinks) if sinks else None
+    skip = sinks or skip
+    call = lambda s: kivi_decode(
         q,
         *cache,
         nt,
@@ -300,7 +315,9 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0):
         interpret=interpret,
         windows=windows,
         skip=skip,
+        sinks=s,
     )
+    o, lse = call(sink_bufs)
     o, lse = jax.block_until_ready((o, lse))
     if interpret is not False:
         # The interpreter records races instead of raising: check the kernel just run.
@@ -316,8 +333,47 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0):
         **twin_flags(case.tuning, case.G, case.D),
         windows=windows,
         skip=skip,
+        sinks=sink_bufs,
     )
     compare(o, lse, ro, rlse, tol_for(case.tuning, case.G, case.D, case.dtype))
+    if sinks:
+        o0, lse0 = jax.block_until_ready(call(None))
+        so, slse = _sinks_softmax(q, sink_bufs, case, seed)
+        want_o, want_lse = _merge2(o0, lse0, so, slse)
+        np.testing.assert_allclose(np.asarray(o, np.float64), want_o, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=0, atol=2e-5)
+
+
+def _sinks_softmax(q, sinks, case: Case, seed: int):
+    """(o, lse) of q over the held sinks of `case.layer` alone, float64 numpy (lse -inf, o 0
+    where a row holds none)."""
+    k, v, held = (np.asarray(x, np.float64) for x in sinks)
+    k, v = k[case.layer], v[case.layer]  # [B, Hkv, N, D]
+    nq = case.Hq // case.Hkv
+    qs = np.asarray(q, np.float64).reshape(case.B, case.Hkv, nq, case.D) / np.sqrt(case.D)
+    s = np.einsum("bhqd,bhnd->bhqn", qs, k)
+    s = np.where(np.arange(k.shape[2])[None, None, None, :] < held[:, None, None, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    tot = p.sum(-1)
+    o = np.einsum("bhqn,bhnd->bhqd", p, v) / np.where(tot > 0, tot, 1.0)[..., None]
+    lse = np.where(
+        tot > 0,
+        np.where(np.isfinite(m[..., 0]), m[..., 0], 0.0) + np.log(np.where(tot > 0, tot, 1.0)),
+        -np.inf,
+    )
+    return o.reshape(case.B, case.Hq, case.D), lse.reshape(case.B, case.Hq)
+
+
+def _merge2(o1, l1, o2, l2):
+    """The log-sum-exp merge of two partials, float64 numpy."""
+    o1, l1 = np.asarray(o1, np.float64), np.asarray(l1, np.float64)
+    m = np.maximum(l1, l2)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w1, w2 = np.exp(l1 - m), np.exp(l2 - m)
+    tot = w1 + w2
+    o = (w1[..., None] * o1 + w2[..., None] * o2) / np.where(tot > 0, tot, 1.0)[..., None]
+    return o, np.where(tot > 0, m + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)
 
 
 def splat_register_casts(module_asm: str) -> list[str]:

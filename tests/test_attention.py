@@ -1,8 +1,6 @@
 """Decode attention over the caches: reference vs an independent dequantize-then-attend, the
 folded form vs the reference, accuracy against full precision, dispatch and errors."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -408,33 +406,32 @@ def test_decode_attention_passes_the_kernel_tuning():
         kj.decode_attention(q, cache, 0, implementation="lowp")
 
 
-def test_with_sinks_is_the_merge_of_the_partial_and_the_sinks():
-    """`with_sinks` joins a partial (o, lse) and the sinks a row holds below its start in one
-    pass: what merge_partials of the partial and the sinks' own attention gives; rows with
-    nothing (start 0, empty partial) give o = 0, lse = -inf; a non-finite sink key NaN."""
-    from kivi_jax.attention import _softmax_attend, with_sinks
+def test_sinks_join_the_merge_of_the_splits_as_single_keys():
+    """`merge_partials(..., keys=sink_keys(...))` (the kernel's splits and a cache's sinks in
+    one pass) gives what merging each held sink as a part of its own gives (o = its value,
+    lse = its logit); rows with nothing (no sink held, every split empty) o = 0, lse = -inf;
+    a held infinite sink key NaN in its kv head only."""
+    from pallas_kernels.kivi_decode.decode import sink_keys
+    from pallas_kernels.merge import merge_partials
 
-    B, Hkv, r, N, D = 4, 2, 3, 8, 32
+    B, Hkv, nq, S, N, D = 4, 2, 3, 5, 8, 32
     ks = jax.random.split(jax.random.key(5), 5)
-    config = kj.KiviConfig(2, 2, 32, 32, sinks=N)
-    cache = kj.KiviCache.init(
-        config, num_layers=2, batch=B, kv_heads=Hkv, head_dim=D, max_len=128, dtype=jnp.float32
-    )
     k = jax.random.normal(ks[0], (2, B, Hkv, N, D))
     v = jax.random.normal(ks[1], (2, B, Hkv, N, D))
     k = k.at[1, 3, 0, 2, 5].set(jnp.inf)  # row 3, head 0: a held infinite key
-    keys = dataclasses.replace(cache.keys, sink=k)
-    cache = dataclasses.replace(cache, keys=keys, values=dataclasses.replace(cache.values, sink=v))
-    qg = jax.random.normal(ks[2], (B, Hkv, r, D))
-    o = jax.random.normal(ks[3], (B, Hkv, r, D))
-    lse = jax.random.normal(ks[4], (B, Hkv, r)) * 3
-    lse = lse.at[1].set(-jnp.inf).at[2].set(-jnp.inf)
-    o = o.at[1].set(0.0).at[2].set(0.0)  # empty partials
-    start = jnp.array([8, 5, 0, 8])  # row 2: no sinks held and an empty partial
-    got_o, got_lse = with_sinks(qg, cache, 1, start, o, lse)
-    held = jnp.arange(N)[None, :] < start[:, None]
-    sinks = _softmax_attend(qg, k[1], v[1], held)
-    want_o, want_lse = kj.merge_partials([(o, lse), sinks])
+    q = jax.random.normal(ks[2], (B, Hkv * nq, D))
+    o = jax.random.normal(ks[3], (B, Hkv, S, nq, D))
+    lse = (jax.random.normal(ks[4], (B, Hkv, S, nq)) * 3).at[:, :, 1].set(-jnp.inf)
+    lse = lse.at[1].set(-jnp.inf).at[2].set(-jnp.inf)  # rows 1 and 2: every split empty
+    held = jnp.array([8, 5, 0, 8], jnp.int32)  # row 2: no sink held either
+    scale = D**-0.5
+    got_o, got_lse = merge_partials(o, lse, axis=2, keys=sink_keys(q, (k, v, held), 1, scale))
+    logits = jnp.einsum("bhqd,bhnd->bhnq", q.reshape(B, Hkv, nq, D) * scale, k[1])
+    logits = jnp.where(
+        jnp.arange(N)[None, None, :, None] < held[:, None, None, None], logits, -jnp.inf
+    )
+    parts_o = jnp.concatenate([o, jnp.broadcast_to(v[1][:, :, :, None], (B, Hkv, N, nq, D))], 2)
+    want_o, want_lse = merge_partials(parts_o, jnp.concatenate([lse, logits], 2), axis=2)
     ok = np.ones((B, Hkv), bool)
     ok[3, 0] = False
     np.testing.assert_allclose(got_o[ok], want_o[ok], rtol=1e-5, atol=1e-5)
@@ -442,3 +439,4 @@ def test_with_sinks_is_the_merge_of_the_partial_and_the_sinks():
     assert np.isnan(np.asarray(got_o[3, 0])).all() and np.isfinite(got_o[3, 1]).all()
     np.testing.assert_array_equal(got_o[2], 0.0)
     np.testing.assert_array_equal(got_lse[2], -np.inf)
+    assert np.isfinite(np.asarray(got_o[1])).all()  # row 1: its 5 sinks alone

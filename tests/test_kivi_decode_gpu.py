@@ -77,6 +77,13 @@ def test_gpu_skip_matches_reference(case, skip):
     run_case(case, 9, False, skip=skip)
 
 
+@pytest.mark.parametrize("case", SKIP_CASES, ids=ids(SKIP_CASES))
+def test_gpu_sinks_match_reference(case):
+    """A cache's 8 sinks from their own buffers merged with the splits, natively: as the twin,
+    and as the call without them merged with the sinks' own softmax."""
+    run_case(case, 10, False, sinks=8)
+
+
 @pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))
 def test_gpu_matches_reference_and_is_deterministic(case):
     B, Hq, Hkv, D, Tq = case.B, case.Hq, case.Hkv, case.D, case.T

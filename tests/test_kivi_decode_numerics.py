@@ -25,6 +25,7 @@ from kivi_decode_cases import (
     anchor,
     case_cache,
     case_plan,
+    case_sinks,
     case_windows,
     compare,
     ids,
@@ -72,6 +73,50 @@ def test_interpret_skip_matches_reference(skip):
     the first step, and past whole steps; with the windows in the kernel and without."""
     run_case(WINDOW_CASES[0], 7, interpreter(), skip=skip)
     run_case(CASES[0], 8, interpreter(), skip=skip)
+
+
+@pytest.mark.parametrize("n", [8, 40])
+def test_interpret_sinks_match_reference(n):
+    """A cache's sinks (the first n positions in full precision) attended from their own
+    buffers, rows holding all, half or none of them, merged with the splits in one pass: as
+    the twin, and as the call without them merged with the sinks' own softmax; with the
+    windows in the kernel and without."""
+    run_case(WINDOW_CASES[0], 9, interpreter(), sinks=n)
+    run_case(CASES[0], 10, interpreter(), sinks=n)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda k, v, h: (k, v), "sinks must be a triple"),
+        (lambda k, v, h: (k[:, :1], v, h), "k_sink must be"),
+        (lambda k, v, h: (k, v[..., :4, :], h), "v_sink must be k_sink's shape"),
+        (lambda k, v, h: (k, v.astype(jnp.int32), h), "v_sink must be floating point"),
+        (lambda k, v, h: (k, v, h[:1]), "held must be"),
+        (lambda k, v, h: (k, v, h.astype(jnp.float32)), "held must be"),
+    ],
+)
+def test_bad_sinks_are_named(change, match):
+    case = CASES[0]
+    cache, q = case_cache(case, 2), make_q(3, case.B, case.Hq, case.D, case.dtype)
+    n = jnp.asarray(case.lengths, jnp.int32)
+    sinks = change(*case_sinks(case, 2, 8))
+    with pytest.raises(ValueError, match=match):
+        kivi_decode(q, *cache, n, 0, **case.kw, interpret=interpreter(), skip=8, sinks=sinks)
+    with pytest.raises(ValueError, match=match):
+        kivi_decode_reference(q, *cache, n, 0, **case.kw, skip=8, sinks=sinks)
+
+
+def test_sinks_need_skip_to_be_their_count():
+    """The codes of the sink positions are stand-ins: attending them too would count the
+    sinks twice."""
+    case = CASES[0]
+    cache, q = case_cache(case, 2), make_q(3, case.B, case.Hq, case.D, case.dtype)
+    n = jnp.asarray(case.lengths, jnp.int32)
+    with pytest.raises(ValueError, match="with 8 sinks skip must be 8"):
+        kivi_decode(
+            q, *cache, n, 0, **case.kw, interpret=interpreter(), sinks=case_sinks(case, 2, 8)
+        )
 
 
 @pytest.mark.parametrize("skip", [-1, 2.0, True])

@@ -1,5 +1,5 @@
 """`kivi_decode`: the public call of the KIVI decode kernel (input checks, the query's prologue
-where the kernel does not run it, the launch, the merge of the splits)."""
+where the kernel does not run it, the launch, the merge of the splits and of the sinks)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pallas_kernels.kivi_decode.config import (
     value_channel_order,
 )
 from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
-from pallas_kernels.merge import merge_partials
+from pallas_kernels.merge import mask_logits, merge_partials
 from pallas_kernels.sm90.layout import PLANE, permute_contraction
 
 _MMA_DTYPE = jnp.float16  # fp16 operands: 3 more mantissa bits than bf16 for the codes
@@ -137,6 +137,42 @@ def check_windows(windows, L, B, Hkv, D) -> int:
     return W
 
 
+def check_sinks(sinks, L, B, Hkv, D, skip) -> int:
+    """Validates the sinks (k_sink [L, B, Hkv, N, D], v_sink the same shape, float; held [B]
+    integers: how many of them each row attends) against `skip`, which must be N; returns N."""
+    if not isinstance(sinks, tuple | list) or len(sinks) != 3:
+        raise ValueError("sinks must be a triple (k_sink, v_sink, held)")
+    ks, vs, held = sinks
+    if getattr(ks, "ndim", None) != 5 or tuple(ks.shape[:3]) != (L, B, Hkv) or ks.shape[4] != D:
+        raise ValueError(f"k_sink must be [L={L}, B={B}, Hkv={Hkv}, N, D={D}], got {ks.shape}")
+    N = ks.shape[3]
+    if getattr(vs, "shape", None) != ks.shape:
+        raise ValueError(f"v_sink must be k_sink's shape {ks.shape}, got {vs.shape}")
+    for x, name in ((ks, "k_sink"), (vs, "v_sink")):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if getattr(held, "shape", None) != (B,) or not jnp.issubdtype(held.dtype, jnp.integer):
+        raise ValueError(f"held must be [B={B}] integers, got {getattr(held, 'shape', held)}")
+    if skip != N:
+        raise ValueError(f"with {N} sinks skip must be {N} (their codes are not attended)")
+    return N
+
+
+def sink_keys(q, sinks, layer, sm_scale) -> tuple[jax.Array, jax.Array]:
+    """The sinks of `layer` as single keys for `merge_partials`: logits [B, Hkv, N, nq] of q
+    [B, Hq, D] (float32, times sm_scale: natural-log units, as the kernel's lse), those past
+    each row's `held` count masked, and values [B, Hkv, N, 1, D] float32. Multiply-and-reduce
+    over N (small), which XLA fuses into the merge (as GEMMs they would launch on their own)."""
+    ks, vs, held = sinks
+    B, Hq, D = q.shape
+    Hkv, N = ks.shape[2], ks.shape[3]
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(jnp.float32)
+    qs = q.astype(jnp.float32).reshape(B, Hkv, 1, Hq // Hkv, D) * sm_scale
+    s = jnp.sum(qs * take(ks)[:, :, :, None], axis=-1)  # [B, Hkv, N, nq]
+    on = jnp.arange(N)[None, :] < jnp.asarray(held)[:, None]  # [B, N]
+    return mask_logits(s, on[:, None, :, None]), take(vs)[:, :, :, None]
+
+
 def q_operand(q, plan: Plan, sm_scale):
     """q [B, Hq, D] -> the key product's B tiles [B, Hkv, 1, NP, D] fp16: times sm_scale in
     float32, the padded heads zero (pack_planes without pack_zeros: q's heads repeated in
@@ -236,6 +272,7 @@ def _kivi_decode(
     num_tokens,
     layer,
     windows,
+    sinks,
     *,
     max_len,
     skip,
@@ -262,16 +299,20 @@ def _kivi_decode(
         skip=skip,
     )
     o, lse = kern(*args)
-    if plan.cluster:  # merged in the kernel: [B, Hkv, D, NP]
-        o = jnp.swapaxes(o, -1, -2)
-    else:
-        o, lse = merge_partials(jnp.swapaxes(o, -1, -2), lse, axis=2)  # [B, Hkv, NP, D]
+    if plan.cluster:  # merged in the kernel: one part [B, Hkv, 1, D, NP]
+        o, lse = o[:, :, None], lse[:, :, None]
+    nq = plan.nq  # the parts' real heads (NP pads them), [B, Hkv, S, nq, D]
+    o, lse = jnp.swapaxes(o, -1, -2)[:, :, :, :nq], lse[:, :, :, :nq]
     rows = value_channel_order(plan)
     if rows is not None:  # fold_v_warp: output rows in the warps' order
         o = jnp.take(o, np.argsort(rows), axis=-1)
+    keys = None if sinks is None else sink_keys(q, sinks, layer, sm_scale)
+    if plan.cluster and keys is None:
+        o, lse = o[:, :, 0], lse[:, :, 0]
+    else:  # the splits and the sinks in one pass
+        o, lse = merge_partials(o, lse, axis=2, keys=keys)
     B, Hq, D = q.shape
-    nq = plan.nq
-    return o[:, :, :nq].reshape(B, Hq, D), lse[:, :, :nq].reshape(B, Hq)
+    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
 
 
 def kivi_decode(
@@ -295,6 +336,7 @@ def kivi_decode(
     windows=None,
     max_len: int = 0,
     skip: int = 0,
+    sinks=None,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -316,8 +358,10 @@ def kivi_decode(
     the whole row, num_tokens[b] being its length n: positions [0, n - W) from the codes and
     the min(n, W) filled slots of the windows, in one launch (docs/kernel.md); `max_len` > 0
     caps n (the cache's capacity: an overflowed row attends its first max_len tokens).
-    `skip`: positions [0, skip) are not attended (a cache's sinks, which the caller attends
-    from their own buffer).
+    `skip`: positions [0, skip) are not attended from the codes (a cache's sinks).
+    `sinks`: (k_sink [L,B,Hkv,N,D], v_sink [L,B,Hkv,N,D], held [B] int): the first N positions
+    in full precision, attended from these buffers (those below held[b]: the rest are in the
+    windows) and merged with the splits in the same pass; skip must be N.
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
     shared memory beside the default tuning's pipelines.
@@ -341,6 +385,8 @@ def kivi_decode(
     elif interpret is None:
         interpret = False
     W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
+    if sinks is not None:
+        check_sinks(sinks, k_codes.shape[0], B, Hkv, D, _check_skip(skip))
     if tuning is None:
         tuning, taken = call_tuning(
             B,
@@ -373,6 +419,7 @@ def kivi_decode(
         num_tokens,
         layer,
         None if windows is None else tuple(windows),
+        None if sinks is None else tuple(sinks),
         max_len=int(max_len),
         skip=_check_skip(skip),
         key_bits=key_bits,

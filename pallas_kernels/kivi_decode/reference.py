@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.kivi_decode.config import STEP_TOKENS, TuningConfig, choose_tuning
-from pallas_kernels.kivi_decode.decode import check_inputs, check_windows
+from pallas_kernels.kivi_decode.decode import check_inputs, check_sinks, check_windows, sink_keys
 from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials
 from pallas_kernels.sm90.codes import f8_field_spec
@@ -49,6 +49,7 @@ def _running_max(x, tuning: TuningConfig):
         "fp8_values",
         "tuning",
         "max_len",
+        "skip",
     ),
 )
 def kivi_decode_reference(
@@ -72,6 +73,7 @@ def kivi_decode_reference(
     windows=None,
     max_len: int = 0,
     skip: int = 0,
+    sinks=None,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -97,6 +99,8 @@ def kivi_decode_reference(
     )
     G, nq = group_size, Hq // Hkv
     f32 = jnp.float32
+    if sinks is not None:
+        check_sinks(sinks, L, B, Hkv, D, skip)
     if windows is not None:  # num_tokens: the rows' lengths; the newest W are the windows'
         W = check_windows(windows, L, B, Hkv, D)
         n_all = jnp.asarray(num_tokens, jnp.int32)
@@ -183,4 +187,8 @@ def kivi_decode_reference(
             -jnp.inf,
         )
         o, lse = merge_partials(jnp.stack([o, ow]), jnp.stack([lse, lsew]))
+    if sinks is not None:  # the first N positions from their full-precision buffers
+        o, lse = merge_partials(
+            o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale)
+        )
     return o.reshape(B, Hq, D), lse.reshape(B, Hq)
