@@ -298,8 +298,8 @@ def kernel_on_cache(
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
     lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
     too, num_tokens being the rows' lengths, capped at the cache's max_len). A cache with
-    sinks: `sinks` [B], how many of them each row holds outside its windows (`sinks_held`),
-    attended from their buffers and merged with the kernel's splits in one pass."""
+    sinks: `sinks` [B], how many of them each row attends from their buffers (those below its
+    quantized split), merged with the kernel's splits in one pass."""
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values

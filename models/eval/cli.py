@@ -51,6 +51,19 @@ LayerOverrideOpt = Annotated[
         "fields changed (streaming, quantized caches); repeatable",
     ),
 ]
+PrefillOpt = Annotated[int, typer.Option(help="P: prefill tokens per window")]
+DecodeOpt = Annotated[int, typer.Option(help="T: scored tokens per window")]
+WindowsOpt = Annotated[int, typer.Option(help="N: non-overlapping windows")]
+WindowBatchOpt = Annotated[
+    int | None, typer.Option(help="Windows per batch (default: all at once)")
+]
+ImplementationOpt = Annotated[
+    str,
+    typer.Option(
+        help="Decode attention: auto (as generate), reference, folded, pallas, "
+        "auto-lowp, pallas-lowp"
+    ),
+]
 PrefillChunkOpt = typer.Option(
     "--prefill-chunk",
     help="Prefill this many tokens at a time through the cache (each chunk attends to the "
@@ -105,26 +118,18 @@ def ppl_cmd(
     outlier_channels: OutliersOpt = 0,
     pre_rope: PreRopeOpt = False,
     layer_override: LayerOverrideOpt = None,
-    prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
-    decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
-    windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 16,
+    prefill: PrefillOpt = 1536,
+    decode: DecodeOpt = 512,
+    windows: WindowsOpt = 16,
     protocol: Annotated[str, typer.Option(help="streaming | simulated")] = "streaming",
     text_file: Annotated[str | None, typer.Option(help="Score this text, not pydoc")] = None,
     token_ids: Annotated[
         str | None,
         typer.Option(help="Score these token ids (a JSON list in a file), not tokenized text"),
     ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(help="Windows per batch (default: all at once)")
-    ] = None,
+    batch_size: WindowBatchOpt = None,
     dtype: DtypeOpt = "float32",
-    implementation: Annotated[
-        str,
-        typer.Option(
-            help="Decode attention: auto (as generate), reference, folded, pallas, "
-            "auto-lowp, pallas-lowp"
-        ),
-    ] = "auto",
+    implementation: ImplementationOpt = "auto",
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     mesh: Annotated[
@@ -248,16 +253,12 @@ def layers_cmd(
     outlier_channels: OutliersOpt = 0,
     pre_rope: PreRopeOpt = False,
     layer_override: LayerOverrideOpt = None,
-    prefill: Annotated[int, typer.Option(help="P: prefill tokens per window")] = 1536,
-    decode: Annotated[int, typer.Option(help="T: scored tokens per window")] = 512,
-    windows: Annotated[int, typer.Option(help="N: non-overlapping windows")] = 4,
-    batch_size: Annotated[
-        int | None, typer.Option(help="Windows per batch (default: all at once)")
-    ] = None,
+    prefill: PrefillOpt = 1536,
+    decode: DecodeOpt = 512,
+    windows: WindowsOpt = 4,
+    batch_size: WindowBatchOpt = None,
     dtype: DtypeOpt = "float32",
-    implementation: Annotated[
-        str, typer.Option(help="Decode attention (as eval ppl): auto, reference, ...")
-    ] = "auto",
+    implementation: ImplementationOpt = "auto",
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -352,13 +353,7 @@ def passkey_cmd(
         int | None, typer.Option(help="Prompts prefilled at once (default: all trials)")
     ] = None,
     dtype: DtypeOpt = "float32",
-    implementation: Annotated[
-        str,
-        typer.Option(
-            help="Decode attention: auto (as generate), reference, folded, pallas, "
-            "auto-lowp, pallas-lowp"
-        ),
-    ] = "auto",
+    implementation: ImplementationOpt = "auto",
     allow_unused_weights: AllowUnusedOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     prefill_chunk: Annotated[int | None, PrefillChunkOpt] = None,

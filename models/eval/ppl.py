@@ -650,8 +650,6 @@ def screen_layers(
     against the model's layers (and the spec's own overrides) before anything runs: a bad
     change, a layer out of range or in two overrides raises ValueError. A change of every
     layer at once is the uniform format, which `eval ppl` measures."""
-    from kivi_jax.mixed import parse_override
-
     if spec.config() is None:
         raise ValueError(f"a layer screen changes a quantized cache's format, not {spec.name!r}")
     if not sets:
@@ -659,9 +657,8 @@ def screen_layers(
     specs = []
     for layers in sets:
         text = f"{','.join(str(layer) for layer in layers)} {change}"
-        parse_override(text)
         changed = dataclasses.replace(spec, layer_overrides=(*spec.layer_overrides, text))
-        changed.layer_configs(model_config.num_layers)  # range, overlap, fields
+        changed.layer_configs(model_config.num_layers)  # the text, range, overlap, fields
         specs.append((tuple(layers), changed))
     base = evaluate_ppl(params, model_config, tokens, spec, **protocol)
     rows = []

@@ -1049,7 +1049,7 @@ def _formats_section(stream: list[dict], sim: list[dict], passkeys: list[dict]) 
 
 
 def _environments(records: list[dict]) -> list[str]:
-    """The distinct runs (date, machine, backend, versions) of `records`, in order."""
+    """The distinct runs (date, backend, device, versions) of `records`, in order."""
     out = []
     for r in records:
         env = (

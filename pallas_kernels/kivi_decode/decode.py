@@ -385,8 +385,9 @@ def kivi_decode(
     elif interpret is None:
         interpret = False
     W = 0 if windows is None else check_windows(windows, k_codes.shape[0], B, Hkv, D)
+    skip = _check_skip(skip)
     if sinks is not None:
-        check_sinks(sinks, k_codes.shape[0], B, Hkv, D, _check_skip(skip))
+        check_sinks(sinks, k_codes.shape[0], B, Hkv, D, skip)
     if tuning is None:
         tuning, taken = call_tuning(
             B,
@@ -421,7 +422,7 @@ def kivi_decode(
         None if windows is None else tuple(windows),
         None if sinks is None else tuple(sinks),
         max_len=int(max_len),
-        skip=_check_skip(skip),
+        skip=skip,
         key_bits=key_bits,
         value_bits=value_bits,
         group_size=group_size,
