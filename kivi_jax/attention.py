@@ -688,7 +688,7 @@ def chunk_attention(
     if isinstance(cache, KiviCache) and cache.config.rotation != "none":
         # all of it in the stored basis (`KiviConfig.rotation`): the chunk's own keys in q's,
         # its values in the stored values'; the output rotated back
-        q, k, v = cache.rotate_query(q), cache.rotate_query(k), cache.rotate_values(v)
+        q, k, v = cache.rotate_query(q), cache.rotate_keys(k), cache.rotate_values(v)
         finish = lambda o: cache.unrotate_output(_unfold_chunk(o, c)).astype(q.dtype)
     impl = implementation
     if impl == "pallas" and not isinstance(cache, KiviCache):

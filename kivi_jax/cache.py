@@ -1099,10 +1099,17 @@ class KiviCache(_CacheOps):
 
     def rotate_query(self, q: Array) -> Array:
         """q [..., D] in the basis of the keys as read (`read_keys`: rotated when the keys are
-        and RoPE is not between, i.e. not for pre-RoPE keys), q.dtype."""
+        and RoPE is not between, i.e. not for pre-RoPE keys), q.dtype (`rotation.rotate_rows`)."""
         if self.config.rotates_keys and not self.config.pre_rope:
-            return rotation.rotate(q).astype(q.dtype)
+            return rotation.rotate_rows(q).astype(q.dtype)
         return q
+
+    def rotate_keys(self, k: Array) -> Array:
+        """New keys k [..., D] (a chunk's own) in the basis `rotate_query` puts q in, rotated as
+        the stores rotate them (`rotation.rotate`), k.dtype."""
+        if self.config.rotates_keys and not self.config.pre_rope:
+            return rotation.rotate(k).astype(k.dtype)
+        return k
 
     def rotate_values(self, v: Array) -> Array:
         """v [..., D] in the basis of the stored values (rotated when they are), v.dtype."""
@@ -1110,7 +1117,7 @@ class KiviCache(_CacheOps):
 
     def unrotate_output(self, o: Array) -> Array:
         """An attention output [..., D] over the stored values back in the model's basis."""
-        return rotation.unrotate(o).astype(o.dtype) if self.config.rotates_values else o
+        return rotation.unrotate_rows(o).astype(o.dtype) if self.config.rotates_values else o
 
     def local_lengths(self) -> Array:
         """[B]: how many of each row's positions this store holds from its first slot (all of

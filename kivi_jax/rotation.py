@@ -8,9 +8,13 @@ and k leaves q.k unchanged, and the output of attention over rotated values is r
 R^T. A key channel with outliers is spread over all D channels, which is what per-token
 quantization groups need (QuaRot, QuIP#).
 
-Applied as the fast Walsh-Hadamard transform: log2(D) stages of sums and differences, each
-element by the same operations whatever the array's shape, so a token rotates to the same bits
-streamed one at a time or prefilled with the rest (the cache's bit-for-bit promise).
+What the cache stores is rotated by the fast Walsh-Hadamard transform (`rotate`, `unrotate`):
+log2(D) stages of sums and differences, each element by the same operations whatever the array's
+shape, so a token rotates to the same bits streamed one at a time or prefilled with the rest (the
+cache's bit-for-bit promise). Attention's side, the queries and the outputs of a step, is
+rotated by the matrix itself (`rotate_rows`, `unrotate_rows`): XLA fuses the product summed
+over D into one reduction, where the transform's stages become slice and concatenate fusions of
+their own (two GPU launches each side, on every layer of every decode step).
 """
 
 from __future__ import annotations
@@ -52,6 +56,29 @@ def unrotate(x: Array) -> Array:
     d = x.shape[-1]
     _check(d)
     return _walsh_hadamard(x.astype(jnp.float32)) * np.float32(1 / np.sqrt(d)) * signs(d)
+
+
+@functools.cache
+def matrix(head_dim: int) -> np.ndarray:
+    """R = diag(s) H / sqrt(D) as a float32 [D, D] array (`rotate` is x R, `unrotate` x R^T)."""
+    _check(head_dim)
+    h = np.ones((1, 1))
+    while h.shape[0] < head_dim:
+        h = np.block([[h, h], [h, -h]])
+    return (signs(head_dim)[:, None] * h / np.sqrt(head_dim)).astype(np.float32)
+
+
+def rotate_rows(x: Array) -> Array:
+    """x [..., D] -> x R in float32, as one product summed over D (module doc: for the queries
+    of a step; equal to `rotate` up to float32 rounding, not bit for bit)."""
+    r = matrix(x.shape[-1])
+    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r, axis=-2)
+
+
+def unrotate_rows(x: Array) -> Array:
+    """x [..., D] -> x R^T in float32, as one product summed over D (for attention outputs)."""
+    r = matrix(x.shape[-1])
+    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r.T, axis=-2)
 
 
 def _check(d: int) -> None:

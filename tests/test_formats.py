@@ -186,6 +186,12 @@ def test_rotation_is_the_signed_hadamard_matrix_and_orthogonal(d):
     r = np.diag(rotation.signs(d)) @ _hadamard(d) / np.sqrt(d)
     np.testing.assert_allclose(np.asarray(rotation.rotate(x)), x @ r, atol=1e-5)
     np.testing.assert_allclose(np.asarray(rotation.unrotate(rotation.rotate(x))), x, atol=1e-5)
+    np.testing.assert_allclose(rotation.matrix(d), r, atol=1e-7)
+    # attention's side (queries, outputs): the same R as one fused product
+    np.testing.assert_allclose(np.asarray(rotation.rotate_rows(x)), x @ r, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(rotation.unrotate_rows(x)), x @ r.T, atol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotation.rotate_rows(np.ones((2, 12), np.float32))
     np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-12)
     # one token rotates to the same bits alone or among others (streaming equals prefill)
     np.testing.assert_array_equal(
