@@ -293,17 +293,17 @@ def kernel_on_cache(
     tuning=None,
     low_precision: bool = False,
     windows=None,
-    sinks: Array | None = None,
+    sinks: bool = False,
 ) -> tuple[Array, Array]:
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
     lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
-    too, num_tokens being the rows' lengths, capped at the cache's max_len). A cache with
-    sinks: `sinks` [B], how many of them each row attends from their buffers (those below its
-    quantized split), merged with the kernel's splits in one pass."""
+    too, num_tokens being the rows' lengths, capped at the cache's max_len). `sinks`: attend
+    the cache's sinks from their buffers too (those below the quantized split; the kernel's
+    `sinks`)."""
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
-    n_sinks = k.sinks if sinks is not None else 0
+    n_sinks = k.sinks if sinks else 0
     return kernel.kivi_decode(
         q,
         k.codes,
@@ -324,7 +324,7 @@ def kernel_on_cache(
         windows=windows,
         max_len=cache.max_len if windows else 0,
         skip=n_sinks,
-        sinks=(k.sink, v.sink, sinks) if n_sinks else None,
+        sinks=(k.sink, v.sink) if n_sinks else None,
     )
 
 
@@ -356,8 +356,7 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
         windows=windows,
-        # the sinks below the split (those at or past it are in the windows / tail)
-        sinks=jnp.minimum(m, cache.keys.sinks) if cache.keys.sinks else None,
+        sinks=bool(cache.keys.sinks),
     )
     grouped = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if kernel_window(cache):

@@ -33,6 +33,7 @@ from kivi_jax.quant import (
 )
 from pallas_kernels.kivi_decode import TuningConfig, kivi_decode, kivi_decode_reference
 from pallas_kernels.kivi_decode.config import Plan
+from pallas_kernels.kivi_decode.decode import sinks_in_kernel
 
 TC = TuningConfig
 ON_GPU = jax.default_backend() == "gpu"
@@ -283,22 +284,40 @@ def interpreter(detect_races: bool = True):
 
 
 def case_sinks(case: Case, seed: int, n: int, L: int = 3):
-    """Random sinks of `case` (k, v [L, B, Hkv, n, D] in the query's dtype, larger than the
-    cache's keys as attention sinks are) and how many each row attends (all, half, none, ...)."""
+    """Random sinks of `case`: k, v [L, B, Hkv, n, D] in the query's dtype, the keys larger
+    than the cache's as attention sinks are."""
     kk, kv = jax.random.split(jax.random.key(seed + 100))
     shape = (L, case.B, case.Hkv, n, case.D)
     k = (3.0 * jax.random.normal(kk, shape)).astype(case.dtype)
     v = jax.random.normal(kv, shape).astype(case.dtype)
-    held = jnp.asarray([(n, n // 2, 0)[b % 3] for b in range(case.B)], jnp.int32)
-    return k, v, held
+    return k, v
+
+
+def sink_lengths(case: Case, n: int) -> tuple[int, ...]:
+    """Row lengths of `case` for n sinks: rows that read all n sinks from their buffers, half
+    of them (the other half in the windows, or not yet written), none (a row within its
+    windows, or empty), in turn."""
+    w = case.window
+    pick = lambda b, length: (max(length, w + n), w + n // 2, w // 2)[b % 3]
+    return tuple(pick(b, length) for b, length in enumerate(case.lengths))
+
+
+def sinks_held(case: Case, n: int) -> np.ndarray:
+    """[B]: how many of the n sinks each row of `case` reads from their buffers: those below
+    its positions read from the codes."""
+    lengths = np.asarray(case.lengths)
+    return np.minimum(np.clip(lengths - case.window, 0, case.T), n)
 
 
 def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
     """The kernel on `case` (interpret: the GPU interpreter's params or True; False: natively)
     against the twin within the case's tolerance; the interpreter's race detector clean.
     skip: positions [0, skip) not attended (a cache's sinks); sinks: that many sinks attended
-    from buffers of their own (`case_sinks`, skip = sinks), merged with the splits; then also
-    against the call without them merged with the sinks' own softmax in float64."""
+    from buffers of their own (`case_sinks`, skip = sinks; rows reading all, half and none of
+    them, `sink_lengths`); then also against the call without them merged with the sinks' own
+    softmax in float64."""
+    if sinks:
+        case = dataclasses.replace(case, lengths=sink_lengths(case, sinks))
     cache = case_cache(case, seed)
     q = make_q(seed + 1, case.B, case.Hq, case.D, case.dtype)
     nt = jnp.asarray(case.lengths, jnp.int32)
@@ -340,15 +359,19 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
         o0, lse0 = jax.block_until_ready(call(None))
         so, slse = _sinks_softmax(q, sink_bufs, case, seed)
         want_o, want_lse = _merge2(o0, lse0, so, slse)
-        np.testing.assert_allclose(np.asarray(o, np.float64), want_o, rtol=0, atol=2e-5)
-        np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=0, atol=2e-5)
+        if sinks_in_kernel(sink_bufs, case.window, case.dtype):
+            # a window chunk: P rounded to the windows' dtype for the value product
+            compare(o, lse, want_o, want_lse, tol_for(case.tuning, case.G, case.D, case.dtype))
+        else:  # merged outside in float32
+            np.testing.assert_allclose(np.asarray(o, np.float64), want_o, rtol=0, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=0, atol=2e-5)
 
 
 def _sinks_softmax(q, sinks, case: Case, seed: int):
     """(o, lse) of q over the held sinks of `case.layer` alone, float64 numpy (lse -inf, o 0
     where a row holds none)."""
-    k, v, held = (np.asarray(x, np.float64) for x in sinks)
-    k, v = k[case.layer], v[case.layer]  # [B, Hkv, N, D]
+    k, v = (np.asarray(x, np.float64)[case.layer] for x in sinks)  # [B, Hkv, N, D]
+    held = sinks_held(case, k.shape[2])
     nq = case.Hq // case.Hkv
     qs = np.asarray(q, np.float64).reshape(case.B, case.Hkv, nq, case.D) / np.sqrt(case.D)
     s = np.einsum("bhqd,bhnd->bhqn", qs, k)
@@ -394,9 +417,10 @@ def splat_register_casts(module_asm: str) -> list[str]:
     return bad
 
 
-def cross_lower(case: Case, skip: int = 0) -> list[str]:
+def cross_lower(case: Case, skip: int = 0, sinks: int = 0) -> list[str]:
     """`kivi_decode` on `case` through the real sm_90 lowering (on any machine); returns the
-    Mosaic GPU modules lowered (their assembly), none with splat register casts."""
+    Mosaic GPU modules lowered (their assembly), none with splat register casts. sinks: that
+    many sinks (`case_sinks`; skip = sinks)."""
     cache = case_cache(case, 0)
     q = make_q(1, case.B, case.Hq, case.D, case.dtype)
     kw = dict(
@@ -407,9 +431,20 @@ def cross_lower(case: Case, skip: int = 0) -> list[str]:
         tuning=case.tuning,
     )
     windows = case_windows(case, 0) or ()
+    sink_bufs = case_sinks(case, 0, sinks) if sinks else ()
+    nw = len(windows)
 
     def f(q, nt, layer, *arrays):
-        return kivi_decode(q, *arrays[:6], nt, layer, **kw, windows=arrays[6:] or None, skip=skip)
+        return kivi_decode(
+            q,
+            *arrays[:6],
+            nt,
+            layer,
+            **kw,
+            windows=arrays[6 : 6 + nw] or None,
+            skip=sinks or skip,
+            sinks=arrays[6 + nw :] or None,
+        )
 
     modules = []
     serde = mosaic_core._run_serde_pass
@@ -421,7 +456,14 @@ def cross_lower(case: Case, skip: int = 0) -> list[str]:
     with mock.patch.object(mosaic_core, "_run_serde_pass", spy):
         lowered = (
             jax.jit(f)
-            .trace(q, jnp.asarray(case.lengths, jnp.int32), jnp.int32(case.layer), *cache, *windows)
+            .trace(
+                q,
+                jnp.asarray(case.lengths, jnp.int32),
+                jnp.int32(case.layer),
+                *cache,
+                *windows,
+                *sink_bufs,
+            )
             .lower(lowering_platforms=("cuda",))
         )
     assert "mosaic_gpu" in lowered.as_text()

@@ -425,7 +425,7 @@ def test_sinks_join_the_merge_of_the_splits_as_single_keys():
     lse = lse.at[1].set(-jnp.inf).at[2].set(-jnp.inf)  # rows 1 and 2: every split empty
     held = jnp.array([8, 5, 0, 8], jnp.int32)  # row 2: no sink held either
     scale = D**-0.5
-    got_o, got_lse = merge_partials(o, lse, axis=2, keys=sink_keys(q, (k, v, held), 1, scale))
+    got_o, got_lse = merge_partials(o, lse, axis=2, keys=sink_keys(q, (k, v), 1, scale, held))
     logits = jnp.einsum("bhqd,bhnd->bhnq", q.reshape(B, Hkv, nq, D) * scale, k[1])
     logits = jnp.where(
         jnp.arange(N)[None, None, :, None] < held[:, None, None, None], logits, -jnp.inf

@@ -77,7 +77,11 @@ def test_gpu_skip_matches_reference(case, skip):
     run_case(case, 9, False, skip=skip)
 
 
-@pytest.mark.parametrize("case", SKIP_CASES, ids=ids(SKIP_CASES))
+# the sinks in the window unit (natural and fold_v_warp's channel order), and merged outside
+SINK_CASES = [*SKIP_CASES, GPU_WINDOW_CASES[1]]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=ids(SINK_CASES))
 def test_gpu_sinks_match_reference(case):
     """A cache's 8 sinks from their own buffers merged with the splits, natively: as the twin,
     and as the call without them merged with the sinks' own softmax."""

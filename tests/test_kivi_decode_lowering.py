@@ -76,6 +76,16 @@ def test_skipped_prefix_cross_lowers_for_sm90(case):
     cross_lower(case, skip=8)
 
 
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES, ids=ids(GPU_WINDOW_CASES))
+def test_sinks_chunk_cross_lowers_for_sm90(case):
+    """A cache's 8 sinks as the window unit's last chunk, natively: their keys' copy into the
+    first rows of the chunk's key buffer, their values' in the output's channel order."""
+    tma_loads = lambda modules: "".join(modules).count("cp.async.bulk.tensor.shared.cluster.global")
+    fold_v_warp = case.key_bits == case.value_bits == 2 and case.D // 4 <= case.G < case.D
+    value_copies = case.D // 16 if fold_v_warp else 1  # `window_value_rows`
+    assert tma_loads(cross_lower(case, sinks=8)) == tma_loads(cross_lower(case)) + 1 + value_copies
+
+
 def test_window_gating():
     """choose_tuning with windows: the launch sizes as without them; where the windows' chunk
     buffers fit (`windows_fit`), the q prologue in the kernel, and a one-wave launch of one

@@ -45,6 +45,7 @@ from pallas_kernels.kivi_decode import (
     kivi_decode_reference,
 )
 from pallas_kernels.kivi_decode.config import STEP_TOKENS, merge_cluster, smem_bytes
+from pallas_kernels.kivi_decode.decode import sinks_in_kernel
 from pallas_kernels.kivi_decode.reference import _running_max
 from pallas_kernels.sm90 import codes, layout
 
@@ -75,25 +76,36 @@ def test_interpret_skip_matches_reference(skip):
     run_case(CASES[0], 8, interpreter(), skip=skip)
 
 
-@pytest.mark.parametrize("n", [8, 40])
+@pytest.mark.parametrize("n", [8, 40, 12, 72])
 def test_interpret_sinks_match_reference(n):
     """A cache's sinks (the first n positions in full precision) attended from their own
-    buffers, rows holding all, half or none of them, merged with the splits in one pass: as
-    the twin, and as the call without them merged with the sinks' own softmax; with the
-    windows in the kernel and without."""
+    buffers, rows reading all, half or none of them: as the twin, and as the call without them
+    merged with the sinks' own softmax. With the windows in the kernel, 8 and 40 sinks are the
+    window unit's last chunk, 12 (not whole 8-row tiles) and 72 (past one chunk) join the
+    merge of the splits, as they do without the windows."""
     run_case(WINDOW_CASES[0], 9, interpreter(), sinks=n)
     run_case(CASES[0], 10, interpreter(), sinks=n)
+
+
+def test_sinks_in_the_kernel_where_they_fit_a_chunk():
+    """The window unit takes the sinks when they fill whole 8-row tiles of one 64-slot chunk
+    in the windows' dtype; the rest are merged outside (`sinks_in_kernel`)."""
+    s = lambda n, dt=jnp.bfloat16: (jnp.zeros((1, 1, 1, n, 64), dt),) * 2
+    assert sinks_in_kernel(s(8), 128, "bfloat16") and sinks_in_kernel(s(64), 64, "bfloat16")
+    assert not sinks_in_kernel(s(8), 0, "bfloat16")  # no windows in the launch
+    assert not sinks_in_kernel(s(12), 128, "bfloat16") and not sinks_in_kernel(
+        s(72), 128, "bfloat16"
+    )
+    assert not sinks_in_kernel(s(8, jnp.float32), 128, "bfloat16")
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda k, v, h: (k, v), "sinks must be a triple"),
-        (lambda k, v, h: (k[:, :1], v, h), "k_sink must be"),
-        (lambda k, v, h: (k, v[..., :4, :], h), "v_sink must be k_sink's shape"),
-        (lambda k, v, h: (k, v.astype(jnp.int32), h), "v_sink must be floating point"),
-        (lambda k, v, h: (k, v, h[:1]), "held must be"),
-        (lambda k, v, h: (k, v, h.astype(jnp.float32)), "held must be"),
+        (lambda k, v: (k, v, v), "sinks must be a pair"),
+        (lambda k, v: (k[:, :1], v), "k_sink must be"),
+        (lambda k, v: (k, v[..., :4, :]), "v_sink must be k_sink's shape"),
+        (lambda k, v: (k, v.astype(jnp.int32)), "v_sink must be floating point"),
     ],
 )
 def test_bad_sinks_are_named(change, match):

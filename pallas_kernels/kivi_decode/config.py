@@ -126,6 +126,9 @@ class Plan:
     # the first `skip` positions of every row are not attended (a cache's sinks: exact in a
     # buffer of their own, their codes stand-ins)
     skip: int = 0
+    # the sinks (N <= 64 of them) attended in the window unit as one more chunk of 64 slots
+    # (0: none, or merged with the splits outside the kernel)
+    sinks: int = 0
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)
@@ -172,7 +175,12 @@ class Plan:
         """Chunk buffers of the window tail: one natively (refilled behind a warpgroup
         barrier); one per chunk under the interpreter, whose race detector reports a TMA
         refill after a warpgroup barrier as racing with the reads before it."""
-        return 1 if self.native else max(1, self.window // PLANE)
+        return 1 if self.native else max(1, self.window_chunks)
+
+    @property
+    def window_chunks(self) -> int:
+        """The window unit's chunks of 64 slots: the windows', then the sinks' (`sinks`)."""
+        return self.window // PLANE + (1 if self.sinks else 0)
 
     @property
     def f8v(self) -> bool:

@@ -138,11 +138,11 @@ def check_windows(windows, L, B, Hkv, D) -> int:
 
 
 def check_sinks(sinks, L, B, Hkv, D, skip) -> int:
-    """Validates the sinks (k_sink [L, B, Hkv, N, D], v_sink the same shape, float; held [B]
-    integers: how many of them each row attends) against `skip`, which must be N; returns N."""
-    if not isinstance(sinks, tuple | list) or len(sinks) != 3:
-        raise ValueError("sinks must be a triple (k_sink, v_sink, held)")
-    ks, vs, held = sinks
+    """Validates the sinks (k_sink [L, B, Hkv, N, D], v_sink the same shape, float) against
+    `skip`, which must be N; returns N."""
+    if not isinstance(sinks, tuple | list) or len(sinks) != 2:
+        raise ValueError("sinks must be a pair (k_sink, v_sink)")
+    ks, vs = sinks
     if getattr(ks, "ndim", None) != 5 or tuple(ks.shape[:3]) != (L, B, Hkv) or ks.shape[4] != D:
         raise ValueError(f"k_sink must be [L={L}, B={B}, Hkv={Hkv}, N, D={D}], got {ks.shape}")
     N = ks.shape[3]
@@ -151,19 +151,51 @@ def check_sinks(sinks, L, B, Hkv, D, skip) -> int:
     for x, name in ((ks, "k_sink"), (vs, "v_sink")):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got {x.dtype}")
-    if getattr(held, "shape", None) != (B,) or not jnp.issubdtype(held.dtype, jnp.integer):
-        raise ValueError(f"held must be [B={B}] integers, got {getattr(held, 'shape', held)}")
     if skip != N:
         raise ValueError(f"with {N} sinks skip must be {N} (their codes are not attended)")
     return N
 
 
-def sink_keys(q, sinks, layer, sm_scale) -> tuple[jax.Array, jax.Array]:
+def quantized_positions(num_tokens, Tq: int, window: int = 0, max_len: int = 0):
+    """[B] int32: the positions [0, n) of each row that a call reads from the codes: num_tokens
+    (at most Tq), or with `window` slots in the launch the rows' lengths (capped at max_len)
+    less the window's, as the kernel counts them."""
+    n = jnp.asarray(num_tokens, jnp.int32)
+    if not window:
+        return jnp.minimum(n, Tq)
+    if max_len:
+        n = jnp.minimum(n, max_len)
+    return jnp.clip(n - window, 0, Tq)
+
+
+def sinks_in_kernel(sinks, window: int, window_dtype) -> bool:
+    """Whether the kernel attends the sinks itself, as one more 64-slot chunk of its window
+    unit: with the windows in the launch, N a multiple of 8 up to 64 (the keys land in whole
+    8-row tiles of a chunk's key buffer) and the sinks in the windows' dtype. Otherwise they
+    are merged with the splits outside (`sink_keys`)."""
+    ks, vs = sinks
+    N = ks.shape[3]
+    dt = jnp.dtype(window_dtype)
+    return bool(window) and N % 8 == 0 and 0 < N <= PLANE and ks.dtype == vs.dtype == dt
+
+
+def sink_operands(sinks, layer):
+    """The kernel's sink operands: k_sink [L, B, Hkv, N, D] as it is (TMA copies its N rows)
+    and `layer`'s values as a window chunk, transposed and padded to 64 slots
+    [B, Hkv, D, 64] (a zero value where no sink is: the chunk's masked slots weigh 0)."""
+    ks, vs = sinks
+    v = jax.lax.dynamic_index_in_dim(vs, layer, 0, keepdims=False)  # [B, Hkv, N, D]
+    pad = PLANE - v.shape[2]
+    return ks, jnp.pad(jnp.swapaxes(v, -1, -2), ((0, 0), (0, 0), (0, 0), (0, pad)))
+
+
+def sink_keys(q, sinks, layer, sm_scale, held) -> tuple[jax.Array, jax.Array]:
     """The sinks of `layer` as single keys for `merge_partials`: logits [B, Hkv, N, nq] of q
     [B, Hq, D] (float32, times sm_scale: natural-log units, as the kernel's lse), those past
-    each row's `held` count masked, and values [B, Hkv, N, 1, D] float32. Multiply-and-reduce
-    over N (small), which XLA fuses into the merge (as GEMMs they would launch on their own)."""
-    ks, vs, held = sinks
+    each row's `held` [B] count masked, and values [B, Hkv, N, 1, D] float32.
+    Multiply-and-reduce over N (small), which XLA fuses into the merge (as GEMMs they would
+    launch on their own)."""
+    ks, vs = sinks
     B, Hq, D = q.shape
     Hkv, N = ks.shape[2], ks.shape[3]
     take = lambda x: jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False).astype(jnp.float32)
@@ -206,14 +238,19 @@ def kernel_call(
     windows=None,
     max_len=0,
     skip=0,
+    sinks=None,
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
-    in-kernel merge, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP]))."""
+    in-kernel merge, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP])). The sinks are the
+    kernel's operands where it attends them (`sinks_in_kernel`, then `plan.sinks` = N), else
+    left to the caller's merge (`plan.sinks` = 0)."""
     L, B, Hq, Hkv, D, Tq = check_inputs(
         q, *cache, num_tokens, layer, key_bits, value_bits, group_size
     )
     W = 0 if windows is None else check_windows(windows, L, B, Hkv, D)
+    window_dtype = jnp.dtype(windows[0].dtype).name if W else "bfloat16"
+    own_sinks = sinks is not None and sinks_in_kernel(sinks, W, window_dtype)
     plan = Plan(
         tuning=tuning,
         B=B,
@@ -228,9 +265,10 @@ def kernel_call(
         interpret=interpret,
         vblock=cache[3].ndim == 6,
         window=W,
-        window_dtype=jnp.dtype(windows[0].dtype).name if W else "bfloat16",
+        window_dtype=window_dtype,
         length_cap=max_len if W else 0,
         skip=skip,
+        sinks=sinks[0].shape[3] if own_sinks else 0,
     )
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
@@ -250,6 +288,8 @@ def kernel_call(
     if W:  # the caller's q (unless qf is already that), then the windows
         raw = () if plan.q_in_kernel else (q.reshape(B, Hkv, plan.nq, D),)
         args = (*args, *raw, *windows)
+    if own_sinks:
+        args = (*args, *sink_operands(sinks, layer))
     return build_kernel(plan, q_scale, sm_scale if W else None), args, plan
 
 
@@ -297,6 +337,7 @@ def _kivi_decode(
         windows=windows,
         max_len=max_len,
         skip=skip,
+        sinks=sinks,
     )
     o, lse = kern(*args)
     if plan.cluster:  # merged in the kernel: one part [B, Hkv, 1, D, NP]
@@ -306,7 +347,10 @@ def _kivi_decode(
     rows = value_channel_order(plan)
     if rows is not None:  # fold_v_warp: output rows in the warps' order
         o = jnp.take(o, np.argsort(rows), axis=-1)
-    keys = None if sinks is None else sink_keys(q, sinks, layer, sm_scale)
+    keys = None
+    if sinks is not None and not plan.sinks:  # merged here: those below the codes' split
+        n = quantized_positions(num_tokens, plan.Tq, plan.window, plan.length_cap)
+        keys = sink_keys(q, sinks, layer, sm_scale, jnp.minimum(n, sinks[0].shape[3]))
     if plan.cluster and keys is None:
         o, lse = o[:, :, 0], lse[:, :, 0]
     else:  # the splits and the sinks in one pass
@@ -359,9 +403,12 @@ def kivi_decode(
     the min(n, W) filled slots of the windows, in one launch (docs/kernel.md); `max_len` > 0
     caps n (the cache's capacity: an overflowed row attends its first max_len tokens).
     `skip`: positions [0, skip) are not attended from the codes (a cache's sinks).
-    `sinks`: (k_sink [L,B,Hkv,N,D], v_sink [L,B,Hkv,N,D], held [B] int): the first N positions
-    in full precision, attended from these buffers (those below held[b]: the rest are in the
-    windows) and merged with the splits in the same pass; skip must be N.
+    `sinks`: (k_sink [L,B,Hkv,N,D], v_sink [L,B,Hkv,N,D]): the first N positions in full
+    precision, attended from these buffers where they lie below the positions read from the
+    codes (n: num_tokens, or with windows the length less W), i.e. the first min(n, N) of them
+    (the rest are in the windows); skip must be N. With the windows in the launch the kernel
+    attends them as one more chunk of its window unit (N a multiple of 8 up to 64, the
+    windows' dtype: `sinks_in_kernel`); otherwise they join the merge of the splits.
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
     shared memory beside the default tuning's pipelines.

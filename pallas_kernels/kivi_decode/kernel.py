@@ -156,6 +156,7 @@ class _Unit:
         q_scale,
         windows=None,
         window_scale=None,
+        sinks=None,
     ):
         self.plan, self.sc, self.gmem = plan, sc, gmem
         self.o_g, self.lse_g, self.q_g = o_g, lse_g, q_g
@@ -176,6 +177,8 @@ class _Unit:
             self.windows, self.window_scale = windows, window_scale
             self.n_all = jnp.minimum(nt_g[b], P.length_cap) if P.length_cap else nt_g[b]
             self.n = jnp.clip(self.n_all - P.window, 0, P.Tq)
+            # the sinks below the codes' split (the rest are in the windows)
+            self.sinks, self.held_sinks = sinks, jnp.minimum(self.n, P.sinks)
             self.kw_s, self.vw_s, self.qn_s, self.pw_s = (
                 own(k) for k in ("kw_s", "vw_s", "qn_s", "pw_s")
             )
@@ -947,19 +950,31 @@ class _Unit:
         the least of the quantized region to stream (often none in short rows)."""
         return self.s == self.plan.S - 1
 
-    def fetch_window(self, c: int = 0):
+    def fetch_chunk(self, c: int = 0):
         """Chunk c (64 slots) of the row's key window [64, D] and value window [D, 64] into
         chunk buffer c % window_buffers (TMA, its `win_bar`; the value rows in the output's
-        channel order, `window_value_rows`). Natively one chunk's buffers: two full windows
-        would halve the blocks an SM holds."""
+        channel order, `window_value_rows`); the chunk after the windows' is the sinks' (keys
+        [N, D] into the buffer's first N rows, values as prepared by `sink_operands`).
+        Natively one chunk's buffers: two full windows would halve the blocks an SM holds."""
         P = self.plan
-        kw_g, vw_g, _ = self.windows
-        src = lambda g: g.at[self.layer, self.b, self.h]
-        slots, buf, bar = pl.ds(c * PLANE, PLANE), c % P.window_buffers, self.win_bar(c)
-        plgpu.copy_gmem_to_smem(src(kw_g).at[slots], self.kw_s.at[buf], bar)
+        buf, bar = c % P.window_buffers, self.win_bar(c)
+        if c < P.window // PLANE:
+            kw_g, vw_g, _ = self.windows
+            slots = pl.ds(c * PLANE, PLANE)
+            keys = kw_g.at[self.layer, self.b, self.h].at[slots]
+            values = vw_g.at[self.layer, self.b, self.h]
+        else:
+            ks_g, vs_g = self.sinks
+            slots = pl.ds(0, PLANE)
+            keys = ks_g.at[self.layer, self.b, self.h]
+        n_keys = keys.shape[0]
+        dst = self.kw_s.at[buf] if n_keys == PLANE else self.kw_s.at[buf, pl.ds(0, n_keys)]
+        plgpu.copy_gmem_to_smem(keys, dst, bar)
+        if c >= P.window // PLANE:
+            values = vs_g.at[self.b, self.h]
         for dst, first, n in window_value_rows(P):
             plgpu.copy_gmem_to_smem(
-                src(vw_g).at[pl.ds(first, n), slots], self.vw_s.at[buf, pl.ds(dst, n)], bar
+                values.at[pl.ds(first, n), slots], self.vw_s.at[buf, pl.ds(dst, n)], bar
             )
 
     def start_window(self):
@@ -967,7 +982,7 @@ class _Unit:
         order and the windows' dtype into qn_s (rows nq.. zero)."""
         P = self.plan
         for c in range(P.window_buffers):
-            self.fetch_window(c)
+            self.fetch_chunk(c)
         _, _, qr_g = self.windows
         if P.native:
             q_tile(qr_g.at[self.b, self.h], self.qn_s, nq=P.nq, scale=None, dup=False, natural=True)
@@ -998,17 +1013,20 @@ class _Unit:
         accs = [zero] * P.mtiles
         warpgroup_sync(P.interpret)  # qn_s's stores, the epilogue's o_s / lse_s stores
         qb = mma_rhs(self.qn_s.T, P.interpret)
-        for c in range(P.window // PLANE):
+        for c in range(P.window_chunks):
             buf = c % P.window_buffers
             if c:  # the previous chunk's P and (one buffer) windows are read by every warp
                 warpgroup_sync(P.interpret)
             if c >= P.window_buffers:  # then refill the buffer
-                self.fetch_window(c)
+                self.fetch_chunk(c)
             plgpu.barrier_wait(self.win_bar(c))
             x = mma(zero, load(self.kw_s.at[buf]), qb, P.interpret) * self.window_scale
             # a held logit of -inf (an infinite key, or q . k past float32) becomes NaN, as in
             # `kivi_jax.attention`: at -inf it would weigh 0, the key silently ignored
-            held = c * PLANE + rows < slots
+            if c < P.window // PLANE:
+                held = c * PLANE + rows < slots
+            else:  # the sinks' chunk: slots past N (stale keys, zero values) never held
+                held = rows < self.held_sinks
             x = jnp.where(held, jnp.where(x == -jnp.inf, jnp.nan, x), -jnp.inf)
             m_new = jnp.maximum(m, self.red(x, "max"))
             ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -1232,7 +1250,8 @@ def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float |
     fp16. With `plan.window`: num_tokens holds the rows' lengths, and after the cache come the
     caller's q [B, Hkv, nq, D] (unless q_scale already makes q_g that), the key windows
     [L, B, Hkv, W, D] and the value windows [L, B, Hkv, D, W]; window_scale is the logits'
-    scale (log2 units)."""
+    scale (log2 units). With `plan.sinks` = N, then k_sink [L, B, Hkv, N, D] and the layer's
+    sink values as a window chunk [B, Hkv, D, 64] (`decode.sink_operands`)."""
     P = plan
     W, S, C, Hkv = P.W, P.S, P.cluster, P.Hkv
     scratch = scratch_buffers(P)
@@ -1247,6 +1266,9 @@ def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float |
             qr_g = q_g if q_scale is not None else refs[0]
             refs = refs if q_scale is not None else refs[1:]
             windows, refs = (*refs[:2], qr_g), refs[2:]
+        sinks = None
+        if P.sinks:  # k_sink [L, B, Hkv, N, D], the layer's values as a chunk [B, Hkv, D, 64]
+            sinks, refs = refs[:2], refs[2:]
         o_g, lse_g, *scratch_refs = refs
         sc = dict(zip(names, scratch_refs, strict=True))
         unit = lambda wg, b, h, s: _Unit(
@@ -1265,6 +1287,7 @@ def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float |
             q_scale,
             windows,
             window_scale,
+            sinks,
         ).run()
         if C:  # one cluster of C blocks per row (b, h); split s = c W + wg
             wg = lax.axis_index("wg") if W > 1 else 0

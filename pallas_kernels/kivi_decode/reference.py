@@ -187,8 +187,10 @@ def kivi_decode_reference(
             -jnp.inf,
         )
         o, lse = merge_partials(jnp.stack([o, ow]), jnp.stack([lse, lsew]))
-    if sinks is not None:  # the first N positions from their full-precision buffers
+    if sinks is not None:  # the first N positions from their full-precision buffers, those
+        # below the codes' split (the rest are in the windows)
+        held = jnp.minimum(n, sinks[0].shape[3])
         o, lse = merge_partials(
-            o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale)
+            o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale, held)
         )
     return o.reshape(B, Hq, D), lse.reshape(B, Hq)
