@@ -426,7 +426,9 @@ def test_sinks_join_the_merge_of_the_splits_as_single_keys():
     held = jnp.array([8, 5, 0, 8], jnp.int32)  # row 2: no sink held either
     scale = D**-0.5
     got_o, got_lse = merge_partials(o, lse, axis=2, keys=sink_keys(q, (k, v), 1, scale, held))
-    logits = jnp.einsum("bhqd,bhnd->bhnq", q.reshape(B, Hkv, nq, D) * scale, k[1])
+    logits = jnp.einsum(  # float32 products on a GPU too (its default is TF32)
+        "bhqd,bhnd->bhnq", q.reshape(B, Hkv, nq, D) * scale, k[1], precision="highest"
+    )
     logits = jnp.where(
         jnp.arange(N)[None, None, :, None] < held[:, None, None, None], logits, -jnp.inf
     )
