@@ -35,11 +35,11 @@ def signs(head_dim: int) -> np.ndarray:
 def _walsh_hadamard(x: Array) -> Array:
     """x [..., D] times the Sylvester Hadamard matrix H (D a power of two), unnormalized."""
     *lead, d = x.shape
+    sign = np.array([1.0, -1.0], np.float32)[:, None]  # the pair's sum, then its difference
     h = 1
     while h < d:
         y = x.reshape(*lead, d // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        x = (y[..., :1, :] + sign * y[..., 1:, :]).reshape(*lead, d)
         h *= 2
     return x
 
