@@ -203,11 +203,16 @@ class QuantizedStore:
         """K: the channels per group of G tokens kept in `outlier` (0: none)."""
         return 0 if self.outlier is None else self.outlier.shape[-1]
 
-    def _put_sinks(self, layer, b, pos: Array, x: Array, valid: Array) -> Array:
+    def _put_sinks(self, layer, pos: Array, x: Array, valid: Array) -> Array:
         """The sink buffer with token x [B, H, D] of `layer` stored where valid and pos < N
-        (pos global: every token shard keeps the sinks)."""
-        slot = jnp.where(valid & (pos >= 0) & (pos < self.sinks), pos, self.sinks)
-        return self.sink.at[layer, b, :, slot].set(x.astype(self.sink.dtype), mode="drop")
+        (pos global: every token shard keeps the sinks). A select over the layer's N slots
+        and one in-place write of the layer: a scatter into the slots led XLA to lay the sink
+        buffer out slot-minor, and with it the window the same token is written to, which
+        the kernel then took transposed once per layer (the whole [L, ...] window)."""
+        hit = (jnp.arange(self.sinks)[None, :] == pos[:, None]) & valid[:, None]  # [B, N]
+        cur = self.sink[layer]  # [B, H, N, D]
+        new = jnp.where(hit[:, None, :, None], x[:, :, None, :].astype(self.sink.dtype), cur)
+        return self.sink.at[layer].set(new)
 
     def _exclude_sinks(self, xg: Array, pos: Array) -> Array:
         """Channel groups xg [..., n/G, G, D] of global positions pos (broadcasting to xg) with
@@ -383,7 +388,7 @@ class QuantizedStore:
         b = jnp.arange(nb)
         store = self
         if self.sinks:
-            store = dataclasses.replace(self, sink=self._put_sinks(layer, b, pos, x, valid))
+            store = dataclasses.replace(self, sink=self._put_sinks(layer, pos, x, valid))
         if w:
             slot = jnp.where(valid, pos % w, w)
             idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))

@@ -1,0 +1,140 @@
+"""The launches of one decode step, counted from a deviceless compile for the H200: what a
+model's generation loop runs per layer and per step around the GEMMs, and the copies and
+transposes of whole cache buffers that XLA's layout assignment inserts.
+
+    .venv-aot/bin/python bench/step_launches.py                          # fp16, kivi2
+    .venv-aot/bin/python bench/step_launches.py --caches kivi2 --group-size 32 --sinks 8 \\
+        --rotate both --check
+
+The generation loop (`models.generate.decode_loop_jit`, as `bench.generate` runs it: Llama-3-8B
+shapes with fewer layers, bf16, B = 1, T = 4k, implementation "auto") is compiled at two layer
+counts for the H200 target (`bench/h200_target_config.txtpb`, a compile-only topology: no GPU);
+its while body's kernels are counted (fusions, custom calls, copies: each a launch). The
+difference between the two counts is the launches per layer, the rest those per step. A
+`copy` or `transpose` whose result has the shape of a whole [L, B, Hkv, W, D] window array is
+a full pass over that cache buffer; one per layer is an L-squared cost. `--check` exits 1 when
+their count grows with the layers. Feeds the launch counts of docs/performance.md; run as
+`.venv-aot/bin/python bench/step_launches.py` (`.ci/run` runs the check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+TARGET = Path(__file__).with_name("h200_target_config.txtpb")
+LAUNCH = re.compile(r" (fusion|custom-call|copy|transpose)\(")
+
+
+def step_body(hlo: str) -> list[str]:
+    """The instructions of the decode loop's while body in a compiled module's text."""
+    body = re.search(r"while\(.*?body=%?([\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"%{body} ")
+    return [line.strip() for line in hlo[start : hlo.index("\n}\n", start)].splitlines()[1:]]
+
+
+def count(lines: list[str], window_shape: str) -> tuple[int, int]:
+    """(launches, whole-window copies and transposes) among a while body's instructions."""
+    launches = [line for line in lines if LAUNCH.search(line)]
+    moves = [
+        line
+        for line in launches
+        if re.search(rf"= {re.escape(window_shape)}\{{[\d,]+\}} ", line)
+        and re.search(r"(copy\(|transpose)", line)
+    ]
+    return len(launches), len(moves)
+
+
+def compile_step(cache_name: str, layers: int, knobs: dict, group_size: int) -> tuple[str, str]:
+    """The compiled decode loop's text (deviceless, for the H200) and its window's HLO shape."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    import kivi_jax.attention
+    from bench import generate as bench_generate
+    from models import generate, llama
+    from models.presets import get_preset
+
+    kivi_jax.attention.pallas_available = lambda: True  # the target is an H200
+    topo = topologies.get_topology_desc(
+        "", platform="cuda", target_config=TARGET.read_text(), topology="1x1x1"
+    )
+    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    config = dataclasses.replace(get_preset("llama-3-8b"), num_layers=layers)
+    dtype, batch, context, steps = jnp.bfloat16, 1, 4096, 64
+    params = jax.eval_shape(
+        lambda: llama.fuse_projections(llama.init_params(config, jax.random.key(0), dtype))
+    )
+    cache = jax.eval_shape(
+        lambda: bench_generate.filled_cache(
+            cache_name, config, batch, context, steps, dtype, 128, group_size, True, knobs or None
+        )
+    )
+    args = (
+        params,
+        jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
+        cache,
+        jax.eval_shape(lambda: jax.random.key(0)),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    args = jax.tree.map(spec, args)
+    compiled = generate.decode_loop_jit.trace(
+        *args,
+        generate._pad_stops([]),
+        config=config,
+        num_slots=generate.bucket(steps + 1),
+        sampling=generate.GREEDY,
+        implementation="auto",
+    )
+    hlo = compiled.lower().compile().as_text()
+    hkv, d = config.num_kv_heads, config.head_dim
+    window_shape = f"bf16[{layers},{batch},{hkv},128,{d}]"
+    return hlo, window_shape
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--caches", default="fp16,kivi2", help="cache names")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--sinks", type=int, default=0, help="sinks of the quantized caches")
+    ap.add_argument("--rotate", default="none", help="rotation of the quantized caches")
+    ap.add_argument("--layers", default="2,4", help="the two layer counts compiled")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if whole-window moves grow with layers"
+    )
+    args = ap.parse_args(argv)
+    la, lb = (int(x) for x in args.layers.split(","))
+    if not 0 < la < lb:
+        raise SystemExit("--layers: two increasing positive counts, e.g. 2,4")
+    knobs = {}
+    if args.sinks:
+        knobs["sinks"] = args.sinks
+    if args.rotate != "none":
+        knobs["rotation"] = args.rotate
+    print("cache | launches per layer | launches per step besides | whole-window moves per step")
+    grows = False
+    for name in args.caches.split(","):
+        kn = {} if name == "fp16" else knobs
+        (na, ma), (nb, mb) = (
+            count(step_body(hlo), shape)
+            for hlo, shape in (compile_step(name, n, kn, args.group_size) for n in (la, lb))
+        )
+        per_layer = (nb - na) / (lb - la)
+        label = name + "".join(f" {k}={v}" for k, v in kn.items())
+        print(f"{label} | {per_layer:g} | {na - per_layer * la:g} | {ma} at L={la}, {mb} at L={lb}")
+        grows |= mb > ma
+    if args.check and grows:
+        print("whole-window copies or transposes grow with the layers", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
