@@ -967,11 +967,10 @@ class _Unit:
             ks_g, vs_g = self.sinks
             slots = pl.ds(0, PLANE)
             keys = ks_g.at[self.layer, self.b, self.h]
+            values = vs_g.at[self.b, self.h]
         n_keys = keys.shape[0]
         dst = self.kw_s.at[buf] if n_keys == PLANE else self.kw_s.at[buf, pl.ds(0, n_keys)]
         plgpu.copy_gmem_to_smem(keys, dst, bar)
-        if c >= P.window // PLANE:
-            values = vs_g.at[self.b, self.h]
         for dst, first, n in window_value_rows(P):
             plgpu.copy_gmem_to_smem(
                 values.at[pl.ds(first, n), slots], self.vw_s.at[buf, pl.ds(dst, n)], bar
