@@ -294,12 +294,13 @@ def kernel_on_cache(
     low_precision: bool = False,
     windows=None,
     sinks: bool = False,
+    out_dtype=jnp.float32,
 ) -> tuple[Array, Array]:
-    """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D],
-    lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the cache's windows
-    too, num_tokens being the rows' lengths, capped at the cache's max_len). `sinks`: attend
-    the cache's sinks from their buffers too (those below the quantized split; the kernel's
-    `sinks`)."""
+    """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D] in
+    `out_dtype`, lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the
+    cache's windows too, num_tokens being the rows' lengths, capped at the cache's max_len).
+    `sinks`: attend the cache's sinks from their buffers too (those below the quantized split;
+    the kernel's `sinks`)."""
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
@@ -325,12 +326,24 @@ def kernel_on_cache(
         max_len=cache.max_len if windows else 0,
         skip=n_sinks,
         sinks=(k.sink, v.sink) if n_sinks else None,
+        out_dtype=out_dtype,
     )
 
 
 def _kivi_pallas(
-    qg, q, cache: KiviCache, layer, scale, interpret, tuning=None, low_precision: bool = False
+    qg,
+    q,
+    cache: KiviCache,
+    layer,
+    scale,
+    interpret,
+    tuning=None,
+    low_precision: bool = False,
+    out_dtype=jnp.float32,
 ) -> tuple[Array, Array]:
+    """(o, lse) of the kernel over the whole cache: one launch where it takes the windows
+    (o then in `out_dtype`, or float32 where the values are rotated: the output's rotation
+    follows), else the kernel's float32 partial merged with the tail's."""
     try:  # the kernel's module, imported here so that its absence is a NotImplementedError
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
@@ -346,7 +359,7 @@ def _kivi_pallas(
             f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
         )
     m = cache.quantized_split()
-    call = lambda num_tokens, windows=None: kernel_on_cache(
+    call = lambda num_tokens, windows=None, out_dtype=jnp.float32: kernel_on_cache(
         q,
         cache,
         layer,
@@ -357,12 +370,16 @@ def _kivi_pallas(
         low_precision=low_precision,
         windows=windows,
         sinks=bool(cache.keys.sinks),
+        out_dtype=out_dtype,
     )
     grouped = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if kernel_window(cache):
-        # One launch: the kernel attends the windows too (where they fit its shared memory).
+        # One launch: the kernel attends the windows too (where they fit its shared memory);
+        # where it also merges its splits it writes o in out_dtype itself, nothing after it
+        out = jnp.float32 if cache.config.rotates_values else out_dtype
         try:
-            o, lse = call(cache.lengths, (cache.keys.residual, cache.values.residual))
+            windows = (cache.keys.residual, cache.values.residual)
+            o, lse = call(cache.lengths, windows, out)
             return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
@@ -463,7 +480,7 @@ def decode_attention(
         q = cache.rotate_query(q)
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
-    kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp)
+    kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp, q.dtype)
     if isinstance(cache, KiviCache) and cache.seq_axis is not None:
         # inside shard_map over the token axes: this device's tokens, merged across the axis
         from kivi_jax.parallel import shard_attention

@@ -649,6 +649,11 @@ GPU_WINDOW_CASES = [
     Case("W128-K2V2-G128-S4", 3, 32, 8, 128, 8192, 2, 2, 128, f16, (8320, 4000, 0),
          tuning=TC(num_splits=4, stages=2), window=128),
     Case("W64-choose-K2V4-G64-D64", 2, 16, 16, 64, 4096, 2, 4, 64, bf16, (4160, 33), window=64),
+    # one-wave launches that merge their splits and write the final rows (`Plan.out_dtype`),
+    # in the natural and fold_v_warp's channel order
+    Case("W128-choose-K2V2-G128-B1", 1, 32, 8, 128, 1024, 2, 2, 128, bf16, (1100,), window=128),
+    Case("W128-choose-K2V2-G32-B2", 2, 32, 8, 128, 1024, 2, 2, 32, f16, (1152, 300),
+         window=128),
 ]
 
 # Larger launches natively on the GPU (lengths drawn per case: one empty row, one partial last

@@ -20,6 +20,8 @@ from kivi_decode_cases import (
     ON_GPU,
     TOL,
     anchor,
+    case_cache,
+    case_windows,
     compare,
     ids,
     make_cache,
@@ -64,6 +66,30 @@ def poisoned_runs(q, cache, nt, kw, tun, other):
 def test_gpu_windows_match_reference(case):
     """The residual windows attended in the kernel, natively, against the twin."""
     run_case(case, 3, False)
+
+
+ROW_CASES = GPU_WINDOW_CASES[-2:]  # one-wave launches that merge their splits
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=ids(ROW_CASES))
+def test_gpu_final_rows_in_the_query_dtype(case):
+    """A launch that merges its splits and attends the windows writes the rows as the caller
+    takes them (`transpose_rows`: the natural and fold_v_warp's channel order), on poisoned
+    outputs: in the query's dtype, the float32 rows rounded once, bit for bit (the float32
+    rows against the twin: `test_gpu_windows_match_reference`)."""
+    cache, nt = case_cache(case, 3), jnp.asarray(case.lengths, jnp.int32)
+    q, windows = make_q(4, case.B, case.Hq, case.D, case.dtype), case_windows(case, 3)
+
+    def run(dt):
+        poison()
+        layer = jnp.int32(case.layer)
+        out = kivi_decode(q, *cache, nt, layer, **case.kw, windows=windows, out_dtype=dt)
+        return jax.block_until_ready(out)
+
+    (o32, lse32), (o16, lse16) = run(jnp.float32), run(case.dtype)
+    assert o16.dtype == case.dtype and o16.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(o16), np.asarray(o32.astype(case.dtype)))
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
 
 
 SKIP_CASES = [GPU_WINDOW_CASES[0], dataclasses.replace(GPU_CASES[0], lengths=(8192, 5000, 300, 0))]

@@ -45,7 +45,7 @@ from pallas_kernels.kivi_decode import (
     kivi_decode_reference,
 )
 from pallas_kernels.kivi_decode.config import STEP_TOKENS, merge_cluster, smem_bytes
-from pallas_kernels.kivi_decode.decode import sinks_in_kernel
+from pallas_kernels.kivi_decode.decode import kernel_call, sinks_in_kernel
 from pallas_kernels.kivi_decode.reference import _running_max
 from pallas_kernels.sm90 import codes, layout
 
@@ -214,6 +214,36 @@ def test_interpret_merge_splits_matches_reference(case):
     assert merge_cluster(case.tuning, interpreter()) == 1
     assert case_plan(case, interpret=True).cluster == 1
     run_case(case, seed=5, interpret=interpreter())
+
+
+@pytest.mark.parametrize(
+    "case", [MERGE_CASES[1], WINDOW_CASES[3], WINDOW_CASES[0]], ids=lambda c: c.name
+)
+def test_out_dtype_is_the_float32_output_rounded_once(case):
+    """o in the query's dtype: where the launch merges its splits and nothing is merged after
+    it, the kernel writes the rows itself ([B, Hkv, nq, D], `Plan.out_dtype`; the first two
+    cases), else the merge after the launch rounds them (the third); either way the float32
+    output rounded once, bit for bit, and the twin's likewise."""
+    cache, nt = case_cache(case, 3), jnp.asarray(case.lengths, jnp.int32)
+    q, windows = make_q(4, case.B, case.Hq, case.D, case.dtype), case_windows(case, 3)
+    kw = dict(**case.kw, windows=windows)
+    run = lambda f, dt, **k: f(q, *cache, nt, jnp.int32(case.layer), **kw, **k, out_dtype=dt)
+    kern = lambda dt: run(kivi_decode, dt, tuning=case.tuning, interpret=interpreter())
+    (o32, lse32), (o16, lse16) = kern(jnp.float32), kern(case.dtype)
+    assert o32.dtype == jnp.float32 and o16.dtype == case.dtype
+    np.testing.assert_array_equal(np.asarray(o16), np.asarray(o32.astype(case.dtype)))
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+    (r32, _), (r16, _) = (
+        run(kivi_decode_reference, jnp.float32),
+        run(kivi_decode_reference, case.dtype),
+    )
+    np.testing.assert_array_equal(np.asarray(r16), np.asarray(r32.astype(case.dtype)))
+    writes_rows = kernel_call(
+        q, cache, nt, 0, **kw, tuning=case.tuning, interpret=interpreter(), out_dtype="bfloat16"
+    )[2].out_dtype
+    assert writes_rows == ("bfloat16" if case.tuning.merge_splits else "")
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        kern(jnp.int8)
 
 
 def test_interpret_lazy_max_matches_reference():

@@ -6,8 +6,9 @@ surface:
 
     kivi_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, *,
                 key_bits, value_bits, group_size, sm_scale, tuning=None, interpret=False,
-                low_precision=False, windows=None, max_len=0, skip=0, sinks=None)
-                -> (o [B, Hq, D] f32, lse [B, Hq] f32)
+                low_precision=False, windows=None, max_len=0, skip=0, sinks=None,
+                out_dtype=float32)
+                -> (o [B, Hq, D] in out_dtype, lse [B, Hq] f32)
     kivi_decode_reference(...)   the same call in float32 jnp (the kernel's twin)
     TuningConfig, choose_tuning  the launch configuration and its per-shape choice
     call_tuning                  the launch a call left to choose runs (windows in or out)

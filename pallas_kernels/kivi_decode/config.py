@@ -129,6 +129,10 @@ class Plan:
     # the sinks (N <= 64 of them) attended in the window unit as one more chunk of 64 slots
     # (0: none, or merged with the splits outside the kernel)
     sinks: int = 0
+    # the dtype in which the kernel writes each row's final output [B, Hkv, nq, D] (natural
+    # channel order) after merging its splits in the kernel, where nothing is merged after
+    # it ('': the float32 outputs [.., D, NP] as the mma tiles hold them)
+    out_dtype: str = ""
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)
@@ -319,8 +323,9 @@ def smem_bytes(
     padded_heads: int = 16,
     window: int = 0,
 ) -> int:
-    """Shared memory of one thread block (pipeline buffers + P, q, output tiles, and the
-    window tail's buffers where the kernel attends `window` residual slots)."""
+    """Shared memory of one thread block (pipeline buffers + P, q, output tiles, the window
+    tail's buffers where the kernel attends `window` residual slots, and where it merges its
+    splits the merged row in the caller's layout, counted at float32)."""
     TS, D, G = STEP_TOKENS, head_dim, group_size
     step = TS * D * (key_bits + value_bits) // 8 + 2 * 2 * (TS // G * D + D // G * TS)
     W = tuning.wg_per_block
@@ -328,6 +333,7 @@ def smem_bytes(
     p_bytes = 1 if tuning.fp8_values and G == D else 2  # P^T (B of the value product)
     per_wg = tuning.stages * step + p_bytes * TS * padded_heads + 2 * padded_heads * D * 3 + red
     per_wg += window_smem_bytes(window, D, padded_heads)
+    rows_out = 4 * padded_heads * D if tuning.merge_splits else 0  # the merged row, transposed
     if (
         tuning.dense_bias
         and G == D
@@ -338,7 +344,7 @@ def smem_bytes(
         # (where the kernel takes it: `Plan.dense_bias`) the minimums' block and the warps'
         # bias rows replace the minimums' pipeline buffers
         per_wg += BIAS_ROWS * (2 * D + 4 * 4 * padded_heads) - tuning.stages * 2 * (TS // G * D)
-    return W * per_wg + 4096
+    return W * per_wg + rows_out + 4096
 
 
 def launch_smem(key_bits: int, value_bits: int, group_size: int, head_dim: int, q_heads: int):

@@ -109,6 +109,17 @@ def check_inputs(
 
 
 WINDOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+OUT_DTYPES = (jnp.dtype(jnp.float32), *WINDOW_DTYPES)
+
+
+def check_out_dtype(out_dtype) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(out_dtype)
+    except TypeError:
+        dt = None
+    if dt not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
+    return dt
 
 
 def _check_skip(skip) -> int:
@@ -239,12 +250,14 @@ def kernel_call(
     max_len=0,
     skip=0,
     sinks=None,
+    out_dtype="float32",
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
-    in-kernel merge, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP])). The sinks are the
-    kernel's operands where it attends them (`sinks_in_kernel`, then `plan.sinks` = N), else
-    left to the caller's merge (`plan.sinks` = 0)."""
+    in-kernel merge, the merged (o [B, Hkv, D, NP], lse [B, Hkv, NP]), or where nothing is
+    merged after the launch (`plan.out_dtype` set) o [B, Hkv, nq, D] in `out_dtype`). The
+    sinks are the kernel's operands where it attends them (`sinks_in_kernel`, then
+    `plan.sinks` = N), else left to the caller's merge (`plan.sinks` = 0)."""
     L, B, Hq, Hkv, D, Tq = check_inputs(
         q, *cache, num_tokens, layer, key_bits, value_bits, group_size
     )
@@ -270,6 +283,8 @@ def kernel_call(
         skip=skip,
         sinks=sinks[0].shape[3] if own_sinks else 0,
     )
+    if plan.cluster and (sinks is None or own_sinks):  # the kernel writes the final rows
+        plan = dataclasses.replace(plan, out_dtype=jnp.dtype(out_dtype).name)
     # sm_scale is applied in float32 before the cast to the fp16 operand; the kernel works in
     # log2 units (exp2 without a multiply; ln s_t as log2 s_t), so log2(e) goes in with it.
     sm_scale = sm_scale * float(np.log2(np.e))
@@ -304,6 +319,7 @@ def kernel_call(
         "interpret",
         "max_len",
         "skip",
+        "out_dtype",
     ),
 )
 def _kivi_decode(
@@ -322,6 +338,7 @@ def _kivi_decode(
     sm_scale,
     tuning,
     interpret,
+    out_dtype,
 ):
     kern, args, plan = kernel_call(
         q,
@@ -338,8 +355,12 @@ def _kivi_decode(
         max_len=max_len,
         skip=skip,
         sinks=sinks,
+        out_dtype=out_dtype,
     )
     o, lse = kern(*args)
+    B, Hq, D = q.shape
+    if plan.out_dtype:  # the rows as the caller takes them, [B, Hkv, nq, D]
+        return o.reshape(B, Hq, D), lse[..., : plan.nq].reshape(B, Hq)
     if plan.cluster:  # merged in the kernel: one part [B, Hkv, 1, D, NP]
         o, lse = o[:, :, None], lse[:, :, None]
     nq = plan.nq  # the parts' real heads (NP pads them), [B, Hkv, S, nq, D]
@@ -355,8 +376,7 @@ def _kivi_decode(
         o, lse = o[:, :, 0], lse[:, :, 0]
     else:  # the splits and the sinks in one pass
         o, lse = merge_partials(o, lse, axis=2, keys=keys)
-    B, Hq, D = q.shape
-    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
+    return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)
 
 
 def kivi_decode(
@@ -381,6 +401,7 @@ def kivi_decode(
     max_len: int = 0,
     skip: int = 0,
     sinks=None,
+    out_dtype=jnp.float32,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -390,8 +411,11 @@ def kivi_decode(
     blocks them at 2 bits, where the kernel is faster over blocks, and keeps rows at 4; either
     form gives the same bits), v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend
     to positions [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be
-    traced). Returns (o [B,Hq,D] f32 normalized, lse [B,Hq] f32 natural-log sum-exp of the
-    scaled logits); rows with num_tokens == 0 give o = 0 and lse = -inf.
+    traced). Returns (o [B,Hq,D] normalized, in `out_dtype` (float32, bfloat16 or float16),
+    lse [B,Hq] f32 natural-log sum-exp of the scaled logits); rows with num_tokens == 0 give
+    o = 0 and lse = -inf. o is computed in float32 and rounded to out_dtype once; where the
+    launch merges its splits and attends everything itself, the kernel writes it so (one
+    launch and nothing after it), else the merge after the launch does.
 
     `interpret`: False for the GPU; True or a `plgpu.InterpretGPUParams` runs the kernel under
     the Mosaic GPU interpreter (any backend). `low_precision`: the fp8 value product
@@ -427,6 +451,7 @@ def kivi_decode(
         value_bits,
         group_size,
     )
+    out_dtype = check_out_dtype(out_dtype)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     elif interpret is None:
@@ -476,4 +501,5 @@ def kivi_decode(
         sm_scale=float(sm_scale),
         tuning=tuning,
         interpret=interpret,
+        out_dtype=out_dtype.name,
     )

@@ -50,7 +50,7 @@ from pallas_kernels.sm90.codes import (
     widen8,
     widen_codes,
 )
-from pallas_kernels.sm90.epilogue import merge_splits
+from pallas_kernels.sm90.epilogue import merge_splits, transpose_rows
 from pallas_kernels.sm90.layout import (
     PLANE,
     VSUB_C,
@@ -1133,8 +1133,15 @@ class _Unit:
             plgpu.barrier_wait(sc["ready"])
             merge_splits(sc["o_s"], sc["lse_s"], W=P.W, C=P.cluster, interpret=P.interpret)
             warpgroup_sync(P.interpret)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(self.o_s, self.o_g.at[self.b, self.h])
+            if P.out_dtype:  # the row as the caller takes it: no transpose launched after
+                rows = value_channel_order(P)
+                transpose_rows(self.o_s, sc["out_s"], rows=rows, interpret=P.interpret)
+                plgpu.commit_smem()
+                out = sc["out_s"].at[pl.ds(0, P.nq)]
+                plgpu.copy_smem_to_gmem(out, self.o_g.at[self.b, self.h])
+            else:
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(self.o_s, self.o_g.at[self.b, self.h])
             plgpu.copy_smem_to_gmem(self.lse_s, self.lse_g.at[self.b, self.h])
             plgpu.wait_smem_to_gmem(0)
 
@@ -1220,6 +1227,8 @@ def scratch_buffers(plan: Plan) -> dict:
             if W > 1
             else plgpu.Barrier(num_arrivals=1)
         )
+    if P.out_dtype:  # the merged row in the caller's layout [NP, D] (`transpose_rows`)
+        scratch["out_s"] = plgpu.SMEM((NP, D), jnp.dtype(P.out_dtype))
     if P.cluster:  # merge_splits: every warpgroup's partial ready; block 0's reads done
         scratch["ready"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=W)
         if P.cluster > 1:
@@ -1244,7 +1253,8 @@ def scratch_buffers(plan: Plan) -> dict:
 def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float | None = None):
     """The kernel of one launch: (layer [1], num_tokens [B], q, *cache[, q_raw], windows...)
     -> (o, lse) partials [B, Hkv, S, D, NP], [B, Hkv, S, NP] (merge_splits: the merged rows
-    [B, Hkv, D, NP], [B, Hkv, NP]). q_scale: the kernel takes the caller's q [B, Hkv, nq, D]
+    [B, Hkv, D, NP], [B, Hkv, NP]; with `plan.out_dtype` o is [B, Hkv, nq, D] in that dtype,
+    the natural channel order). q_scale: the kernel takes the caller's q [B, Hkv, nq, D]
     and runs its prologue itself (`q_prologue`); None: q comes prepared [B, Hkv, 1, NP, D]
     fp16. With `plan.window`: num_tokens holds the rows' lengths, and after the cache come the
     caller's q [B, Hkv, nq, D] (unless q_scale already makes q_g that), the key windows
@@ -1312,10 +1322,15 @@ def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float |
     else:
         grid = dict(grid=(P.B, Hkv, S), grid_names=("b", "h", "s"))
         parts = (S,)
+    o_type = (
+        jax.ShapeDtypeStruct((P.B, Hkv, P.nq, P.D), jnp.dtype(P.out_dtype))
+        if P.out_dtype
+        else jax.ShapeDtypeStruct((P.B, Hkv, *parts, P.D, P.NP), f32)
+    )
     return plgpu.kernel(
         kivi_decode_sm90,
         out_type=(
-            jax.ShapeDtypeStruct((P.B, Hkv, *parts, P.D, P.NP), f32),
+            o_type,
             jax.ShapeDtypeStruct((P.B, Hkv, *parts, P.NP), f32),
         ),
         **grid,

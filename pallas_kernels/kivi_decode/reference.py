@@ -15,7 +15,13 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.kivi_decode.config import STEP_TOKENS, TuningConfig, choose_tuning
-from pallas_kernels.kivi_decode.decode import check_inputs, check_sinks, check_windows, sink_keys
+from pallas_kernels.kivi_decode.decode import (
+    check_inputs,
+    check_out_dtype,
+    check_sinks,
+    check_windows,
+    sink_keys,
+)
 from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials
 from pallas_kernels.sm90.codes import f8_field_spec
@@ -50,6 +56,7 @@ def _running_max(x, tuning: TuningConfig):
         "tuning",
         "max_len",
         "skip",
+        "out_dtype",
     ),
 )
 def kivi_decode_reference(
@@ -74,6 +81,7 @@ def kivi_decode_reference(
     max_len: int = 0,
     skip: int = 0,
     sinks=None,
+    out_dtype=jnp.float32,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -83,6 +91,7 @@ def kivi_decode_reference(
     the splits and sub-steps, default `choose_tuning`'s), so the rounding is the kernel's up to
     f32 arithmetic."""
     del interpret
+    out_dtype = check_out_dtype(out_dtype)
     L, B, Hq, Hkv, D, Tq = check_inputs(
         q,
         k_codes,
@@ -193,4 +202,4 @@ def kivi_decode_reference(
         o, lse = merge_partials(
             o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale, held)
         )
-    return o.reshape(B, Hq, D), lse.reshape(B, Hq)
+    return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)

@@ -1,9 +1,11 @@
-"""The in-kernel split merge: `merge_splits`.
+"""The in-kernel split merge (`merge_splits`) and the merged row's transpose
+(`transpose_rows`).
 
 The log-sum-exp merge of one row's split partials, run by warpgroup 0 of the row's cluster
 over distributed shared memory once every warpgroup has its partial in SMEM, in place of an
-XLA merge after the launch. Natively inline Mosaic GPU (mapa + ld.shared::cluster,
-ex2/lg2.approx); under the interpreter (one block per row only) the same merge in jnp.
+XLA merge after the launch; then the row in the caller's layout and dtype, in place of an XLA
+transpose. Natively inline Mosaic GPU (mapa + ld.shared::cluster, ex2/lg2.approx; 16-byte
+loads and scalar stores); under the interpreter (one block per row only) the same in jnp.
 """
 
 from __future__ import annotations
@@ -152,3 +154,72 @@ def merge_splits(o_all, lse_all, *, W: int, C: int, interpret):
                 llvm.store(v, mgpu_utils.getelementptr(l_base, [col], i8), alignment=16)
 
     merge(o_all, lse_all)
+
+
+def fold_channel(r, D: int):
+    """The channel of the kernel's output row r under fold_v_warp (`value_channel_order`):
+    row 64 m + 16 w + i holds channel (D/4) w + 16 m + i; r an int or numpy array."""
+    return (D // 4) * ((r >> 4) & 3) + 16 * (r >> 6) + (r & 15)
+
+
+def transpose_rows(o_s, out_s, *, rows, interpret):
+    """The merged row's output in the caller's layout: out_s[n, rows[r]] = o_s[r, n] for each
+    row r of o_s [D, NP] (float32; `rows` the channel of each row, None for the natural order,
+    else fold_v_warp's, `fold_channel`) and each padded head n, in out_s's dtype ([NP, D],
+    16-bit or float32; rounded to nearest even, as XLA's convert rounds).
+
+    Run by warpgroup 0 between warpgroup barriers (its threads read rows another thread
+    wrote). Natively thread r moves row r: NP / 4 16-byte loads and NP scalar stores, a
+    warp's stores to one head covering 32 consecutive channels (two runs of 16 under
+    fold_v_warp), so without bank conflicts; threads past D idle."""
+    D, NP = o_s.shape
+    if rows is not None and not np.array_equal(rows, fold_channel(np.arange(D), D)):
+        raise ValueError("transpose_rows: rows must be the natural or fold_v_warp's order")
+    if interpret:
+        x = o_s[...]
+        if rows is not None:
+            x = jnp.take(x, np.argsort(rows), axis=0)  # row c: channel c
+        out_s[...] = x.T.astype(out_s.dtype)
+        return
+    if D > 128 or NP % 4:
+        raise NotImplementedError(f"transpose_rows: D={D} > 128 or NP={NP} not a multiple of 4")
+    dtype = jnp.dtype(out_s.dtype)
+    elem = {
+        jnp.dtype(jnp.float32): ir.F32Type.get,
+        jnp.dtype(jnp.bfloat16): ir.BF16Type.get,
+        jnp.dtype(jnp.float16): ir.F16Type.get,
+    }[dtype]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def move(_, o_ref, out_ref):
+        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
+        v4 = ir.VectorType.get((4,), f32)
+        r = arith.andi(mgpu_utils.thread_idx(), const_i32(127))
+        o_base, out_base = mgpu_utils.memref_ptr(o_ref), mgpu_utils.memref_ptr(out_ref)
+        if rows is None:
+            c = r
+        else:  # fold_channel in i32 arithmetic
+            bits = lambda shift, mask: arith.andi(arith.shrui(r, const_i32(shift)), const_i32(mask))
+            c = arith.addi(
+                arith.muli(bits(4, 3), const_i32(D // 4)),
+                arith.addi(arith.muli(arith.shrui(r, const_i32(6)), const_i32(16)), bits(0, 15)),
+            )
+        active = arith.cmpi(arith.CmpIPredicate.ult, r, const_i32(D))
+        with mgpu_utils.when(active):
+            row = arith.muli(r, const_i32(NP * 4))
+            vals = []
+            for j in range(NP // 4):
+                at = mgpu_utils.getelementptr(o_base, [arith.addi(row, const_i32(16 * j))], i8)
+                v = llvm.load(v4, at, alignment=16)
+                vals += [
+                    vector.extract(v, dynamic_position=[], static_position=[k]) for k in range(4)
+                ]
+            col = arith.muli(c, const_i32(dtype.itemsize))
+            for n, x in enumerate(vals):
+                if dtype != jnp.dtype(jnp.float32):
+                    x = arith.truncf(elem(), x)
+                off = arith.addi(col, const_i32(n * D * dtype.itemsize))
+                at = mgpu_utils.getelementptr(out_base, [off], i8)
+                llvm.store(x, at, alignment=dtype.itemsize)
+
+    move(o_s, out_s)
