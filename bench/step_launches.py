@@ -1,10 +1,12 @@
 """The launches of one decode step, counted from a deviceless compile for the H200: what a
-model's generation loop runs per layer and per step around the GEMMs, and the copies and
-transposes of whole cache buffers that XLA's layout assignment inserts.
+model's generation loop runs per layer and per step around the GEMMs, the copies and
+transposes of whole cache buffers that XLA's layout assignment inserts, and the distinct
+kernels XLA compiles.
 
     .venv-aot/bin/python bench/step_launches.py                          # fp16, kivi2
     .venv-aot/bin/python bench/step_launches.py --caches kivi2 --group-size 32 --sinks 8 \\
         --rotate both --check
+    .venv-aot/bin/python bench/step_launches.py --time-layers 32   # compile seconds, Llama-3-8B
 
 The generation loop (`models.generate.decode_loop_jit`, as `bench.generate` runs it: Llama-3-8B
 shapes with fewer layers, bf16, B = 1, T = 4k, implementation "auto") is compiled at two layer
@@ -12,8 +14,12 @@ counts for the H200 target (`bench/h200_target_config.txtpb`, a compile-only top
 its while body's kernels are counted (fusions, custom calls, copies: each a launch). The
 difference between the two counts is the launches per layer, the rest those per step. A
 `copy` or `transpose` whose result has the shape of a whole [L, B, Hkv, W, D] window array is
-a full pass over that cache buffer; one per layer is an L-squared cost. `--check` exits 1 when
-their count grows with the layers. Feeds the launch counts of docs/performance.md; run as
+a full pass over that cache buffer; one per layer is an L-squared cost. Distinct kernels are
+the fused computations that differ other than by names: XLA compiles each once and reuses it
+for every identical fusion, so in an unrolled model they should not grow with the layers (a
+layer index folded into the fusions as a constant makes every layer's kernels its own, and
+the compile time grows with them). `--check` exits 1 when either count grows with the layers.
+Feeds the launch counts of docs/performance.md; run as
 `.venv-aot/bin/python bench/step_launches.py` (`.ci/run` runs the check).
 """
 
@@ -24,6 +30,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -51,6 +58,16 @@ def count(lines: list[str], window_shape: str) -> tuple[int, int]:
         and re.search(r"(copy\(|transpose)", line)
     ]
     return len(launches), len(moves)
+
+
+def distinct_kernels(hlo: str) -> int:
+    """Fused computations of a compiled module's text that differ other than by names and
+    metadata: the kernels XLA compiles (identical fusions share one)."""
+    bodies = set()
+    for m in re.finditer(r"^%fused[\w.\-]* .*?\{\n(.*?)\n\}", hlo, re.M | re.S):
+        body = re.sub(r", metadata=\{[^}]*\}", "", m.group(1))
+        bodies.add(re.sub(r"%[\w.\-]+", "%x", body))
+    return len(bodies)
 
 
 def compile_step(cache_name: str, layers: int, knobs: dict, group_size: int) -> tuple[str, str]:
@@ -99,6 +116,21 @@ def compile_step(cache_name: str, layers: int, knobs: dict, group_size: int) -> 
     return hlo, window_shape
 
 
+def time_compiles(names: list[str], layers: int, knobs: dict, group_size: int) -> int:
+    """Prints the seconds of each cache's deviceless trace, lower and compile of the loop
+    (this machine's CPU, the Mosaic kernel's own compile included; a GPU host's compile and
+    first run adds loading the kernels)."""
+    print(f"cache | seconds to trace, lower and compile at L={layers} | distinct kernels")
+    for name in names:
+        kn = {} if name == "fp16" else knobs
+        start = time.perf_counter()
+        hlo, _ = compile_step(name, layers, kn, group_size)
+        took = time.perf_counter() - start
+        label = name + "".join(f" {k}={v}" for k, v in kn.items())
+        print(f"{label} | {took:.2f} | {distinct_kernels(hlo)}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--caches", default="fp16,kivi2", help="cache names")
@@ -107,7 +139,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rotate", default="none", help="rotation of the quantized caches")
     ap.add_argument("--layers", default="2,4", help="the two layer counts compiled")
     ap.add_argument(
-        "--check", action="store_true", help="exit 1 if whole-window moves grow with layers"
+        "--check",
+        action="store_true",
+        help="exit 1 if whole-window moves or distinct kernels grow with the layers",
+    )
+    ap.add_argument(
+        "--time-layers",
+        type=int,
+        default=0,
+        help="instead: seconds to trace, lower and compile the loop at this many layers",
     )
     args = ap.parse_args(argv)
     la, lb = (int(x) for x in args.layers.split(","))
@@ -118,20 +158,27 @@ def main(argv=None) -> int:
         knobs["sinks"] = args.sinks
     if args.rotate != "none":
         knobs["rotation"] = args.rotate
-    print("cache | launches per layer | launches per step besides | whole-window moves per step")
+    if args.time_layers:
+        return time_compiles(args.caches.split(","), args.time_layers, knobs, args.group_size)
+    print(
+        "cache | launches per layer | launches per step besides | whole-window moves per step"
+        " | distinct kernels"
+    )
     grows = False
     for name in args.caches.split(","):
         kn = {} if name == "fp16" else knobs
-        (na, ma), (nb, mb) = (
-            count(step_body(hlo), shape)
-            for hlo, shape in (compile_step(name, n, kn, args.group_size) for n in (la, lb))
-        )
+        hlos = [compile_step(name, n, kn, args.group_size) for n in (la, lb)]
+        (na, ma), (nb, mb) = (count(step_body(hlo), shape) for hlo, shape in hlos)
+        ka, kb = (distinct_kernels(hlo) for hlo, _ in hlos)
         per_layer = (nb - na) / (lb - la)
         label = name + "".join(f" {k}={v}" for k, v in kn.items())
-        print(f"{label} | {per_layer:g} | {na - per_layer * la:g} | {ma} at L={la}, {mb} at L={lb}")
-        grows |= mb > ma
+        print(
+            f"{label} | {per_layer:g} | {na - per_layer * la:g} | {ma} at L={la}, {mb} at L={lb}"
+            f" | {ka} at L={la}, {kb} at L={lb}"
+        )
+        grows |= mb > ma or kb > ka
     if args.check and grows:
-        print("whole-window copies or transposes grow with the layers", file=sys.stderr)
+        print("whole-window moves or distinct kernels grow with the layers", file=sys.stderr)
         return 1
     return 0
 

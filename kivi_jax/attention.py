@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer
+from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer, runtime_layer
 from kivi_jax.mixed import MixedCache
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import mask_logits as _mask_logits
@@ -477,7 +477,7 @@ def decode_attention(
     scale = _check_scale(scale, q.shape[-1])
     layer, in_range = check_layer(layer, cache.num_layers)
     if isinstance(cache, KiviCache):  # q in the stored keys' basis (`KiviConfig.rotation`)
-        q = cache.rotate_query(q)
+        q, layer = cache.rotate_query(q), runtime_layer(layer)
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
     kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp, q.dtype)
@@ -699,6 +699,8 @@ def chunk_attention(
         raise ValueError(f"counts must be [B]={bsz} int32, got {getattr(counts, 'shape', counts)}")
     scale = _check_scale(scale, d)
     layer, _ = check_layer(layer, cache.num_layers)
+    if isinstance(cache, KiviCache):
+        layer = runtime_layer(layer)
     sharded = isinstance(cache, KiviCache) and cache.seq_axis is not None
     finish = lambda o: _unfold_chunk(o, c).astype(q.dtype)
     if isinstance(cache, KiviCache) and cache.config.rotation != "none":

@@ -41,7 +41,7 @@ from kivi_jax.attention import (
     quantized_region_folded,
     tail_attention,
 )
-from kivi_jax.cache import BLOCK_TOKENS, KiviCache, check_layer
+from kivi_jax.cache import BLOCK_TOKENS, KiviCache, check_layer, runtime_layer
 from kivi_jax.sharding import LONG_CONTEXT_RULES, cache_specs, logical_to_mesh
 
 IMPLEMENTATIONS = ("auto", "folded", "pallas")
@@ -144,6 +144,7 @@ def sequence_parallel_attention(
     if impl == "auto":
         impl = "pallas" if _kernel_applies(q, cache) else "folded"
     layer, in_range = check_layer(layer, cache.num_layers)
+    layer = runtime_layer(layer)
     q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)
 
     def local(q, cache, layer):

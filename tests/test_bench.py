@@ -356,3 +356,20 @@ def test_step_profile_sorts_kernels_by_kind():
     assert s["kinds"]["gemm"] == dict(ms=0.1, launches=1.0)
     assert set(s["kinds"]) == {"gemm", "kivi kernel", "reduction fusion", "other fusion"}
     assert next(iter(s["top"])) == "gemm_fusion_dot_12"
+
+
+def test_step_launches_counts_distinct_kernels_by_structure():
+    """Fused computations that differ only by names and metadata are one kernel; a different
+    constant (a layer index folded in) makes another."""
+    from bench.step_launches import distinct_kernels
+
+    fused = lambda name, c: (
+        f"%{name} (param_0.1: f32[8]) -> f32[8] {{\n"
+        f"  %param_0.1 = f32[8]{{0}} parameter(0)\n"
+        f'  %constant.{name} = f32[] constant({c}), metadata={{op_name="{name}"}}\n'
+        f"  %b.{name} = f32[8]{{0}} broadcast(%constant.{name}), dimensions={{}}\n"
+        f"  ROOT %add.{name} = f32[8]{{0}} add(%param_0.1, %b.{name})\n}}\n"
+    )
+    hlo = fused("fused_add", 1) + fused("fused_add.1", 1) + "\nENTRY %main {\n}\n"
+    assert distinct_kernels(hlo) == 1
+    assert distinct_kernels(hlo + fused("fused_add.2", 2)) == 2
