@@ -18,7 +18,8 @@ a full pass over that cache buffer; one per layer is an L-squared cost. Distinct
 the fused computations that differ other than by names: XLA compiles each once and reuses it
 for every identical fusion, so in an unrolled model they should not grow with the layers (a
 layer index folded into the fusions as a constant makes every layer's kernels its own, and
-the compile time grows with them). `--check` exits 1 when either count grows with the layers.
+the compile time grows with them; between 2 and 4 layers the first and last layers' own
+fusions can still add one). `--check` exits 1 when either count grows with the layers.
 Feeds the launch counts of docs/performance.md; run as
 `.venv-aot/bin/python bench/step_launches.py` (`.ci/run` runs the check).
 """
