@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from pallas_kernels.sm90.epilogue import MAX_CLUSTER
+from pallas_kernels.sm90.epilogue import MAX_CLUSTER, fold_channel
 from pallas_kernels.sm90.layout import CACHE_BLOCK, PLANE, RESCALE_SLACK, WSM_MIN_STEPS
 from pallas_kernels.sm90.reduce import reduction_scratch
 
@@ -298,10 +298,7 @@ def value_channel_order(plan: Plan):
     16 m + i."""
     if not plan.fvw:
         return None
-    D = plan.D
-    return np.array(
-        [(D // 4) * w + 16 * m + i for m in range(D // PLANE) for w in range(4) for i in range(16)]
-    )
+    return fold_channel(np.arange(plan.D), plan.D)
 
 
 def window_smem_bytes(window: int, head_dim: int, padded_heads: int) -> int:

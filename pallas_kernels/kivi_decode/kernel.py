@@ -1133,15 +1133,13 @@ class _Unit:
             plgpu.barrier_wait(sc["ready"])
             merge_splits(sc["o_s"], sc["lse_s"], W=P.W, C=P.cluster, interpret=P.interpret)
             warpgroup_sync(P.interpret)
+            out = self.o_s
             if P.out_dtype:  # the row as the caller takes it: no transpose launched after
                 rows = value_channel_order(P)
                 transpose_rows(self.o_s, sc["out_s"], rows=rows, interpret=P.interpret)
-                plgpu.commit_smem()
                 out = sc["out_s"].at[pl.ds(0, P.nq)]
-                plgpu.copy_smem_to_gmem(out, self.o_g.at[self.b, self.h])
-            else:
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(self.o_s, self.o_g.at[self.b, self.h])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, self.o_g.at[self.b, self.h])
             plgpu.copy_smem_to_gmem(self.lse_s, self.lse_g.at[self.b, self.h])
             plgpu.wait_smem_to_gmem(0)
 
