@@ -1333,8 +1333,14 @@ def build_kernel(plan: Plan, q_scale: float | None = None, window_scale: float |
         ),
         **grid,
         scratch_types=list(scratch.values()),
+        # Lane semantics: every register array here is built in a layout the code names (the
+        # mma fragments, the rows of the epilogue), so Mosaic's layout inference, which the
+        # Warpgroup default runs over the whole kernel, has nothing to choose and costs seconds
+        # of lowering per distinct launch (a model compiles one per shape).
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, unsafe_no_auto_barriers=P.no_auto_barriers
+            approx_math=True,
+            unsafe_no_auto_barriers=P.no_auto_barriers,
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
         ),
         interpret=P.interpret if P.interpret else False,
     )
