@@ -91,6 +91,11 @@ def test_fp4_codes_follow_e2m1():
     np.testing.assert_array_equal(np.asarray(formats._fp4_codes(grid)), np.arange(16))
 
 
+def _bits(x) -> np.ndarray:
+    """An array's bytes, for bit-for-bit comparisons (any dtype, NaNs included)."""
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+
 @pytest.mark.parametrize("fmt,g", [("fp8", 32), ("nvfp4", 32), ("mxfp4", 32), ("int", 32)])
 def test_edges_nan_inf_zero_and_huge_groups(fmt, g):
     x = np.ones((5, g), np.float32)
@@ -107,7 +112,12 @@ def test_edges_nan_inf_zero_and_huge_groups(fmt, g):
     assert np.isfinite(y[3]).all() and np.isfinite(y[4]).all()
     again = formats.encode(fmt, jnp.asarray(x), bits, jnp.float16)  # deterministic
     for a, b in zip((codes, scale, aux), again, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # bit for bit: NaN scales (the non-finite groups) compare unequal as values, and
+        # numpy's NaN-aware comparison skips the fp8 dtypes of the block scales
+        if a is None:  # no side values in this format
+            assert b is None
+            continue
+        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_bits_per_element_counts_every_stored_byte():
