@@ -180,7 +180,9 @@ class QuantizedStore:
     minimum: Array | None
     # [L, B, Hkv, W, D] in the model dtype, token p in slot p % W; transposed: [L, B, Hkv, D, W]
     residual: Array
-    sink: Array | None  # [L, B, Hkv, N, D] in the model dtype: positions [0, N); None if N = 0
+    # [L, B, Hkv, N, D] in the model dtype: position j < N once it is quantized (until then
+    # readers take it from the window), zeros before (`_store_sinks`); None if N = 0
+    sink: Array | None
     outlier: Array | None  # [L, B, Hkv, Tq, K] in the scale dtype: K channels' values; or None
     outlier_channel: Array | None  # [L, B, Hkv, Tq/G, K] uint8: which channels, per group
     bits: int = dataclasses.field(metadata=static)
@@ -212,16 +214,14 @@ class QuantizedStore:
         """K: the channels per group of G tokens kept in `outlier` (0: none)."""
         return 0 if self.outlier is None else self.outlier.shape[-1]
 
-    def _put_sinks(self, layer, pos: Array, x: Array, valid: Array) -> Array:
-        """The sink buffer with token x [B, H, D] of `layer` stored where valid and pos < N
-        (pos global: every token shard keeps the sinks). A select over the layer's N slots
-        and one in-place write of the layer: a scatter into the slots led XLA to lay the sink
-        buffer out slot-minor, and with it the window the same token is written to, which
-        the kernel then took transposed once per layer (the whole [L, ...] window)."""
-        hit = (jnp.arange(self.sinks)[None, :] == pos[:, None]) & valid[:, None]  # [B, N]
-        cur = self.sink[layer]  # [B, H, N, D]
-        new = jnp.where(hit[:, None, :, None], x[:, :, None, :].astype(self.sink.dtype), cur)
-        return self.sink.at[layer].set(new)
+    def _store_sinks(self, sink: Array, x: Array, hit: Array) -> Array:
+        """Sink buffer `sink` [..., B, H, N, D] with x (broadcasting to it) in the slots where
+        hit [B, N]. Sink j is stored when position j is quantized (global positions: every
+        token shard keeps the sinks): with a window, in `flush`, once per step for all layers,
+        not in each layer's `write`. A select over the slots (N is small): a scatter into them
+        led XLA to lay the sink buffer out slot-minor, and with it the window, which the
+        kernel then took transposed."""
+        return jnp.where(hit[:, None, :, None], x.astype(sink.dtype), sink)
 
     def _exclude_sinks(self, xg: Array, pos: Array) -> Array:
         """Channel groups xg [..., n/G, G, D] of global positions pos (broadcasting to xg) with
@@ -396,8 +396,10 @@ class QuantizedStore:
         w = self.window
         b = jnp.arange(nb)
         store = self
-        if self.sinks:
-            store = dataclasses.replace(self, sink=self._put_sinks(layer, pos, x, valid))
+        if self.sinks and not w:  # quantized now (with a window: as it leaves, `flush`)
+            hit = (jnp.arange(self.sinks)[None, :] == pos[:, None]) & valid[:, None]  # [B, N]
+            layer_sink = self._store_sinks(self.sink[layer], x[:, :, None, :], hit)
+            store = dataclasses.replace(self, sink=self.sink.at[layer].set(layer_sink))
         if w:
             slot = jnp.where(valid, pos % w, w)
             idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))
@@ -423,9 +425,11 @@ class QuantizedStore:
         else:
             store, out = self._flush_token(pos, valid, origin)
         # The window comes out of the barrier after the reads above: the layers' in-place
-        # writes of the vacated slots are ordered after them.
-        residual, _ = jax.lax.optimization_barrier((self.residual, out))
-        return dataclasses.replace(store, residual=residual)
+        # writes of the vacated slots are ordered after them. The sinks come out of it too:
+        # otherwise XLA fuses their select, and with it a read of the window, into the
+        # layers' consumers, after those writes (a copy of the window per step).
+        residual, _, sink = jax.lax.optimization_barrier((self.residual, out, store.sink))
+        return dataclasses.replace(store, residual=residual, sink=sink)
 
     def _flush_token(self, pos, valid, origin):
         nl, nb, _, w, _ = self.window_tokens().shape
@@ -437,6 +441,11 @@ class QuantizedStore:
         out_x = out_x.transpose(1, 0, 2, 3)  # [L, B, H, D]
         local, ok = self._local(pos - w, valid & (pos >= w), origin)
         store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
+        if self.sinks:  # position pos - W, quantized here, is sink pos - W if below N
+            j = jnp.arange(self.sinks)[None, :]
+            hit = (j == (pos - w)[:, None]) & (valid & (pos >= w))[:, None]  # [B, N]
+            sink = self._store_sinks(self.sink, out_x[..., None, :], hit)
+            store = dataclasses.replace(store, sink=sink)
         return store, out_x
 
     def _flush_block(self, pos, valid, origin):
@@ -452,6 +461,13 @@ class QuantizedStore:
 
         # Most steps start no block: the quantization runs only when some row does.
         store = jax.lax.cond(jnp.any(flush), quantize, lambda st: st, self)
+        if self.sinks:  # those in the block [pos - W, pos), from their window slots, on every
+            # token shard (`flush` above is this shard's alone)
+            j = np.arange(self.sinks)
+            block = valid & (pos >= w) & (pos % w == 0)
+            hit = block[:, None] & (j >= pos[:, None] - w) & (j < pos[:, None])  # [B, N]
+            x = jnp.take(self.window_tokens(), j % w, axis=3)  # [L, B, H, N, D]
+            store = dataclasses.replace(store, sink=self._store_sinks(self.sink, x, hit))
         return store, store.codes
 
     def _put_tokens(self, layer, b, x, pos, valid) -> QuantizedStore:
@@ -500,13 +516,11 @@ class QuantizedStore:
             store = self._put_tokens(layers, b, span_x, local[None], ok[None])
         else:
             store = self._put_blocks(span_x, local, ok, origin)
-        if self.sinks:  # sink j from the chunk where n <= j < n + c
+        if self.sinks:  # sink j where this quantizes position j (a <= j < a_new), from the span
             j = jnp.arange(self.sinks)[None, :]  # [1, N]
-            inside = ((j >= n[:, None]) & (j < (n + c)[:, None]))[None, ..., None, None]
-            from_chunk = at(xt, jnp.clip(j - n[:, None], 0, nc - 1)).swapaxes(2, 3)
-            store = dataclasses.replace(
-                store, sink=jnp.where(inside.swapaxes(2, 3), from_chunk, store.sink)
-            )
+            hit = (j >= a[:, None]) & (j < a_new[:, None])  # [B, N]
+            from_span = at(span_x, jnp.clip(j - a[:, None], 0, span - 1)).swapaxes(2, 3)
+            store = dataclasses.replace(store, sink=self._store_sinks(store.sink, from_span, hit))
         if not w:
             return store
         # Window slot j: the newest position p < n + c with p % W == j; from the chunk if p >= n.
@@ -627,9 +641,9 @@ class QuantizedStore:
             if self.transposed:
                 res = res.swapaxes(-1, -2)
         sink = self.sink
-        if self.sinks:  # sink j holds position j where the row holds it, else zeros
+        if self.sinks:  # sink j holds position j where the row has quantized it, else zeros
             j = jnp.arange(self.sinks)
-            held = (j[None, :] < lengths[:, None])[None, :, None, :, None]
+            held = (j[None, :] < self.num_quantized(lengths)[:, None])[None, :, None, :, None]
             sink = jnp.where(held, jnp.take(x, jnp.clip(j, 0, s - 1), axis=3), 0)
             sink = sink.astype(self.sink.dtype)
         return dataclasses.replace(

@@ -111,6 +111,34 @@ def test_chunked_extends_equal_bulk_prefill_bit_for_bit(config):
     _assert_trees_equal(cache, bulk)
 
 
+@pytest.mark.parametrize("window", [32, 0])
+def test_sinks_are_stored_as_their_positions_are_quantized(window):
+    # Sink j holds position j once its row has quantized it and zeros before (readers take
+    # unquantized positions from the window): with a window the buffer is written when a
+    # position leaves it (`flush`, per token for values, per block of W for keys), not by
+    # each layer's write; with none, at once.
+    config = kj.KiviConfig(2, 2, group_size=32, residual_length=window, sinks=5)
+    k, v = _random_kv(3, 2, 80)
+    starts = np.array([0, 20])
+    empty = _init(config, num_layers=L, batch=2, kv_heads=H, head_dim=D, max_len=80)
+    cache = empty.prefill(k, v, jnp.asarray(starts, jnp.int32))
+    rows = jnp.arange(2)
+    stored = set()
+    for i in range(50):
+        n = starts + i
+        for store, x in ((cache.keys, k), (cache.values, v)):
+            quantized = np.asarray(store.num_quantized(jnp.asarray(n)))
+            held = np.arange(5)[None, :] < quantized[:, None]  # [B, N]
+            first = np.asarray(x[:, :, :, :5].astype(store.sink.dtype), np.float32)
+            want = np.where(held[None, :, None, :, None], first, 0)
+            np.testing.assert_array_equal(np.asarray(store.sink, np.float32), want)
+            stored.add(int(held.sum()))
+        pos = jnp.asarray(n)
+        kt, vt = (x[:, rows, :, pos].transpose(1, 0, 2, 3) for x in (k, v))  # [L, B, H, D]
+        cache = _append_fn()(cache, kt, vt)
+    assert {0, 10} <= stored  # none, then both rows' five
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_layer_kv_reads_what_gather_reads(config):
     # The one-pass dequantization of a layer (chunked prefill's past) against the per-position
