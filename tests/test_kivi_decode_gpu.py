@@ -114,6 +114,12 @@ def test_gpu_sinks_match_reference(case):
     run_case(case, 10, False, sinks=8)
 
 
+def test_gpu_sinks_merged_outside_in_the_warps_channel_order():
+    """fold_v_warp's parts come in the warps' channel order and are put back after the merge:
+    12 sinks (not whole 8-row tiles: merged outside the kernel) join it in that order."""
+    run_case(GPU_WINDOW_CASES[1], 11, False, sinks=12)
+
+
 @pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))
 def test_gpu_matches_reference_and_is_deterministic(case):
     B, Hq, Hkv, D, Tq = case.B, case.Hq, case.Hkv, case.D, case.T

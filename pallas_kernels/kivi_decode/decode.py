@@ -365,17 +365,21 @@ def _kivi_decode(
         o, lse = o[:, :, None], lse[:, :, None]
     nq = plan.nq  # the parts' real heads (NP pads them), [B, Hkv, S, nq, D]
     o, lse = jnp.swapaxes(o, -1, -2)[:, :, :, :nq], lse[:, :, :, :nq]
+    # fold_v_warp: the parts' channels in the warps' order, put back once merged (a
+    # gather of the output, not of every part); the sinks' values join in that order
     rows = value_channel_order(plan)
-    if rows is not None:  # fold_v_warp: output rows in the warps' order
-        o = jnp.take(o, np.argsort(rows), axis=-1)
     keys = None
     if sinks is not None and not plan.sinks:  # merged here: those below the codes' split
         n = quantized_positions(num_tokens, plan.Tq, plan.window, plan.length_cap)
         keys = sink_keys(q, sinks, layer, sm_scale, jnp.minimum(n, sinks[0].shape[3]))
+        if rows is not None:
+            keys = (keys[0], jnp.take(keys[1], rows, axis=-1))
     if plan.cluster and keys is None:
         o, lse = o[:, :, 0], lse[:, :, 0]
     else:  # the splits and the sinks in one pass
         o, lse = merge_partials(o, lse, axis=2, keys=keys)
+    if rows is not None:
+        o = jnp.take(o, np.argsort(rows), axis=-1)
     return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)
 
 
