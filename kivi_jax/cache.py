@@ -214,13 +214,15 @@ class QuantizedStore:
         """K: the channels per group of G tokens kept in `outlier` (0: none)."""
         return 0 if self.outlier is None else self.outlier.shape[-1]
 
-    def _store_sinks(self, sink: Array, x: Array, hit: Array) -> Array:
-        """Sink buffer `sink` [..., B, H, N, D] with x (broadcasting to it) in the slots where
-        hit [B, N]. Sink j is stored when position j is quantized (global positions: every
-        token shard keeps the sinks): with a window, in `flush`, once per step for all layers,
-        not in each layer's `write`. A select over the slots (N is small): a scatter into them
-        led XLA to lay the sink buffer out slot-minor, and with it the window, which the
-        kernel then took transposed."""
+    def _store_sinks(self, sink: Array, x: Array, start: Array, stop: Array) -> Array:
+        """Sink buffer `sink` [..., B, H, N, D] with x (broadcasting to it) in slots j of
+        [start, stop) [B]: the positions quantized by the caller. Sink j is stored when
+        position j is quantized (global positions: every token shard keeps the sinks): with a
+        window, in `flush`, once per step for all layers, not in each layer's `write`. A
+        select over the slots (N is small): a scatter into them led XLA to lay the sink
+        buffer out slot-minor, and with it the window, which the kernel then took transposed."""
+        j = jnp.arange(self.sinks)[None, :]
+        hit = (j >= start[:, None]) & (j < stop[:, None])  # [B, N]
         return jnp.where(hit[:, None, :, None], x.astype(sink.dtype), sink)
 
     def _exclude_sinks(self, xg: Array, pos: Array) -> Array:
@@ -397,8 +399,8 @@ class QuantizedStore:
         b = jnp.arange(nb)
         store = self
         if self.sinks and not w:  # quantized now (with a window: as it leaves, `flush`)
-            hit = (jnp.arange(self.sinks)[None, :] == pos[:, None]) & valid[:, None]  # [B, N]
-            layer_sink = self._store_sinks(self.sink[layer], x[:, :, None, :], hit)
+            stop = jnp.where(valid, pos + 1, pos)
+            layer_sink = self._store_sinks(self.sink[layer], x[:, :, None, :], pos, stop)
             store = dataclasses.replace(self, sink=self.sink.at[layer].set(layer_sink))
         if w:
             slot = jnp.where(valid, pos % w, w)
@@ -442,9 +444,8 @@ class QuantizedStore:
         local, ok = self._local(pos - w, valid & (pos >= w), origin)
         store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
         if self.sinks:  # position pos - W, quantized here, is sink pos - W if below N
-            j = jnp.arange(self.sinks)[None, :]
-            hit = (j == (pos - w)[:, None]) & (valid & (pos >= w))[:, None]  # [B, N]
-            sink = self._store_sinks(self.sink, out_x[..., None, :], hit)
+            stop = jnp.where(valid & (pos >= w), pos - w + 1, pos - w)
+            sink = self._store_sinks(self.sink, out_x[..., None, :], pos - w, stop)
             store = dataclasses.replace(store, sink=sink)
         return store, out_x
 
@@ -463,11 +464,10 @@ class QuantizedStore:
         store = jax.lax.cond(jnp.any(flush), quantize, lambda st: st, self)
         if self.sinks:  # those in the block [pos - W, pos), from their window slots, on every
             # token shard (`flush` above is this shard's alone)
-            j = np.arange(self.sinks)
             block = valid & (pos >= w) & (pos % w == 0)
-            hit = block[:, None] & (j >= pos[:, None] - w) & (j < pos[:, None])  # [B, N]
-            x = jnp.take(self.window_tokens(), j % w, axis=3)  # [L, B, H, N, D]
-            store = dataclasses.replace(store, sink=self._store_sinks(self.sink, x, hit))
+            x = jnp.take(self.window_tokens(), np.arange(self.sinks) % w, axis=3)  # [L,B,H,N,D]
+            sink = self._store_sinks(self.sink, x, pos - w, jnp.where(block, pos, pos - w))
+            store = dataclasses.replace(store, sink=sink)
         return store, store.codes
 
     def _put_tokens(self, layer, b, x, pos, valid) -> QuantizedStore:
@@ -518,9 +518,10 @@ class QuantizedStore:
             store = self._put_blocks(span_x, local, ok, origin)
         if self.sinks:  # sink j where this quantizes position j (a <= j < a_new), from the span
             j = jnp.arange(self.sinks)[None, :]  # [1, N]
-            hit = (j >= a[:, None]) & (j < a_new[:, None])  # [B, N]
             from_span = at(span_x, jnp.clip(j - a[:, None], 0, span - 1)).swapaxes(2, 3)
-            store = dataclasses.replace(store, sink=self._store_sinks(store.sink, from_span, hit))
+            store = dataclasses.replace(
+                store, sink=self._store_sinks(store.sink, from_span, a, a_new)
+            )
         if not w:
             return store
         # Window slot j: the newest position p < n + c with p % W == j; from the chunk if p >= n.
@@ -642,10 +643,11 @@ class QuantizedStore:
                 res = res.swapaxes(-1, -2)
         sink = self.sink
         if self.sinks:  # sink j holds position j where the row has quantized it, else zeros
-            j = jnp.arange(self.sinks)
-            held = (j[None, :] < self.num_quantized(lengths)[:, None])[None, :, None, :, None]
-            sink = jnp.where(held, jnp.take(x, jnp.clip(j, 0, s - 1), axis=3), 0)
-            sink = sink.astype(self.sink.dtype)
+            first = jnp.take(x, jnp.clip(jnp.arange(self.sinks), 0, s - 1), axis=3)
+            zero = jnp.zeros_like(lengths)
+            sink = self._store_sinks(
+                jnp.zeros_like(self.sink), first, zero, self.num_quantized(lengths)
+            )
         return dataclasses.replace(
             self,
             codes=new_codes,
