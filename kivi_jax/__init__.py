@@ -1,7 +1,12 @@
 """kivi-jax: KIVI 2/4-bit KV-cache quantization for JAX (arXiv 2402.02750)."""
 
 from kivi_jax import formats, mixed, rotation
-from kivi_jax.attention import chunk_attention, decode_attention, merge_partials
+from kivi_jax.attention import (
+    chunk_attention,
+    compiler_options,
+    decode_attention,
+    merge_partials,
+)
 from kivi_jax.cache import (
     CACHE_NAMES,
     DENSE_NAMES,
@@ -44,6 +49,7 @@ __all__ = [
     "cache_config",
     "check_capacity",
     "chunk_attention",
+    "compiler_options",
     "decode_attention",
     "dequantize",
     "formats",

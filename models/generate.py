@@ -214,23 +214,31 @@ def _decode_step(params, config, tokens, cache, *, implementation="reference"):
     )
 
 
+# Every program that may call the kernel compiles with `kivi_jax.compiler_options()`.
+_OPTIONS = kivi_jax.compiler_options()
 prefill_jit = jax.jit(
     _prefill,
     static_argnames=("config", "all_logits", "kv_transform"),
     donate_argnames=("cache",),
+    compiler_options=_OPTIONS,
 )
 prefill_chunked_jit = jax.jit(
     llama.prefill_chunked,
     static_argnames=("config", "chunk", "implementation"),
     donate_argnames=("cache",),
+    compiler_options=_OPTIONS,
 )
 decode_step_jit = jax.jit(
-    _decode_step, static_argnames=("config", "implementation"), donate_argnames=("cache",)
+    _decode_step,
+    static_argnames=("config", "implementation"),
+    donate_argnames=("cache",),
+    compiler_options=_OPTIONS,
 )
 decode_loop_jit = jax.jit(
     _decode_loop,
     static_argnames=("config", "num_slots", "sampling", "implementation"),
     donate_argnames=("cache",),
+    compiler_options=_OPTIONS,
 )
 
 
@@ -426,7 +434,10 @@ def _sharded_programs(
     )
     prefill = smap(prefill, (P(), row, row, specs), (row, specs))
     loop = smap(loop, (P(), row, specs, P(), P(), P()), state_specs)
-    return jax.jit(prefill, donate_argnums=3), jax.jit(loop, donate_argnums=2)
+    return (
+        jax.jit(prefill, donate_argnums=3, compiler_options=_OPTIONS),
+        jax.jit(loop, donate_argnums=2, compiler_options=_OPTIONS),
+    )
 
 
 def decode_layout(params):

@@ -275,6 +275,15 @@ def test_auto_is_reference_without_a_hopper_gpu_and_pallas_needs_one():
         kj.decode_attention(q, abl, 0, implementation="folded")
 
 
+def test_compiler_options_are_valid_and_leave_the_kernel_out_of_cuda_graphs():
+    options = kj.compiler_options()
+    types = options["xla_gpu_enable_command_buffer"].split(",")
+    assert "CUSTOM_CALL" not in types and {"FUSION", "CUBLAS", "CUDNN"} <= set(types)
+    # XLA parses them on every backend: a misspelt type name fails this compile
+    f = jax.jit(lambda x: 2 * x, compiler_options=options)
+    np.testing.assert_array_equal(f(jnp.ones(3)), 2.0)
+
+
 def test_bad_queries_raise():
     c = kj.make_cache("kivi2", num_layers=1, batch=2, kv_heads=2, head_dim=D, max_len=8)
     with pytest.raises(ValueError, match="implementation"):

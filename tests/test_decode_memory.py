@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import kivi_jax
 from models import generate as G
 from models import llama
 from models.presets import ModelConfig
@@ -44,7 +45,7 @@ def test_decode_loop_temporaries_are_well_below_the_cache(name, fraction, per_la
     if per_layer:
         params = llama.unstack_layers(params)
     cache = G.new_cache(name, CONFIG, B, T, jnp.bfloat16, **kw)
-    compiled = G.decode_loop_jit.lower(
+    lowered = G.decode_loop_jit.lower(
         params,
         jnp.zeros((B, CONFIG.vocab_size), jnp.float32),
         cache,
@@ -55,8 +56,10 @@ def test_decode_loop_temporaries_are_well_below_the_cache(name, fraction, per_la
         num_slots=16,
         sampling=G.GREEDY,
         implementation="auto",
-    ).compile()
-    mem = compiled.memory_analysis()
+    )
+    # the loop compiles with the options that keep the kernel out of XLA's CUDA graphs
+    assert dict(lowered._lowering._compiler_options_kvs) == kivi_jax.compiler_options()
+    mem = lowered.compile().memory_analysis()
     cache_bytes = cache.nbytes().total
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     assert cache_bytes > 4 * weights  # the cache dominates, or the bound says nothing
