@@ -116,6 +116,17 @@ def _softmax_attend(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, 
     return _normalize(s, lambda p: dot("bhrn,bhnd->bhrd", p, v))
 
 
+def _attend_in_place(qg: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array]:
+    """`_softmax_attend` in float32 as multiply-and-reduce: XLA reads k and v [B, H, N, D]
+    where they lie, a layer's slice of the stacked windows included, where a dot_general
+    takes its operands whole and copied the layer's windows first (2 x B x Hkv x W x D per
+    layer and step: at a large batch a few percent of the step's traffic)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    mask = mask[:, None, None, :] if mask.ndim == 2 else mask
+    s = _mask_logits(jnp.sum(f32(qg)[:, :, :, None] * f32(k)[:, :, None], axis=-1), mask)
+    return _normalize(s, lambda p: jnp.sum(p[..., None] * f32(v)[:, :, None], axis=3))
+
+
 def _normalize(s: Array, pv) -> tuple[Array, Array]:
     """Softmax over the last axis of logits s, then pv(p); empty rows give o = 0, lse = -inf.
 
@@ -290,9 +301,9 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
     n = jnp.minimum(cache.lengths, cache.max_len)
     if cache.windows_aligned:  # the tail is the two windows, slot for slot
         w = cache.keys.window
-        k = cache.keys.layer_window(layer).astype(jnp.float32)  # [B, Hkv, W, D]
-        v = cache.values.layer_window(layer).astype(jnp.float32)
-        return _softmax_attend(qg, k, v, jnp.arange(w)[None, :] < n[:, None])
+        k = cache.keys.layer_window(layer)  # [B, Hkv, W, D]
+        v = cache.values.layer_window(layer)
+        return _attend_in_place(qg, k, v, jnp.arange(w)[None, :] < n[:, None])
     w = cache.tail_window
     t = n[:, None] - w + jnp.arange(w)  # the last W positions of each row
     k = cache.keys.gather(layer, t, n)

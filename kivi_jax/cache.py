@@ -424,13 +424,15 @@ class QuantizedStore:
             return self
         if self.axis == "channel":
             store, out = self._flush_block(pos, valid, origin)
+            window = self.residual  # the block's quantization only read it
         else:
             store, out = self._flush_token(pos, valid, origin)
+            window = store.residual  # out of the leaving tokens' barrier
         # The window comes out of the barrier after the reads above: the layers' in-place
         # writes of the vacated slots are ordered after them. The sinks come out of it too:
         # otherwise XLA fuses their select, and with it a read of the window, into the
         # layers' consumers, after those writes (a copy of the window per step).
-        residual, _, sink = jax.lax.optimization_barrier((self.residual, out, store.sink))
+        residual, _, sink = jax.lax.optimization_barrier((window, out, store.sink))
         return dataclasses.replace(store, residual=residual, sink=sink)
 
     def _flush_token(self, pos, valid, origin):
@@ -441,8 +443,14 @@ class QuantizedStore:
         else:
             out_x = self.residual[:, b, :, pos % w]
         out_x = out_x.transpose(1, 0, 2, 3)  # [L, B, H, D]
+        # The leaving tokens come out of a barrier with the window, and are quantized from
+        # there: otherwise XLA fuses their gather into the quantization, which then reads the
+        # window itself, unordered with the layers' in-place writes, and with several rows (a
+        # gather, not a slice) it copied the whole [L, ...] window twice per step to keep both.
+        residual, out_x = jax.lax.optimization_barrier((self.residual, out_x))
+        store = dataclasses.replace(self, residual=residual)
         local, ok = self._local(pos - w, valid & (pos >= w), origin)
-        store = self._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
+        store = store._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
         if self.sinks:  # position pos - W, quantized here, is sink pos - W if below N
             stop = jnp.where(valid & (pos >= w), pos - w + 1, pos - w)
             sink = self._store_sinks(self.sink, out_x[..., None, :], pos - w, stop)
