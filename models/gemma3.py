@@ -712,7 +712,11 @@ def greedy_generate(
     return _greedy(params, config, prompt, lengths, cache, int(steps), implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps", "implementation"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "steps", "implementation"),
+    compiler_options=kivi_jax.compiler_options(),
+)
 def _greedy(params, config, prompt, lengths, cache, steps, implementation):
     logits, cache = prefill(params, config, prompt, lengths, cache)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
