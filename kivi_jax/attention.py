@@ -8,14 +8,20 @@ implementation:
                Agrees with "reference" to float32 rounding.
   "pallas"     the fused Mosaic GPU kernel (Hopper); raises NotImplementedError where it does
                not apply. `interpret=True` runs it under the GPU interpreter on any backend.
-  "xla"        dense caches only: XLA attention reading K/V in the cache dtype with float32
+  "xla"        dense caches: XLA attention reading K/V in the cache dtype with float32
                accumulation (multiply-and-reduce; reads each layer of the cache in place).
+               KIVI caches whose keys and values are both per token (the float formats fp8,
+               nvfp4, mxfp4): the codes dequantized inside the multiply-and-reduce fusions, in
+               the order they are stored; agrees with "reference" to float32 rounding;
+               NotImplementedError for other caches (per-channel keys, blocked codes,
+               pre-RoPE keys).
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
                implementation="cudnn"); raises NotImplementedError where it does not apply
                (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
-  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else
-               "reference". On a dense cache: "cudnn" on a GPU for a 16-bit cache, else (or
-               where cuDNN declines) "xla" ("reference" converts K/V to float32 first).
+  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else on
+               a GPU "xla" where it applies, else "reference". On a dense cache: "cudnn" on
+               a GPU for a 16-bit cache, else (or where cuDNN declines) "xla" ("reference"
+               converts K/V to float32 first).
                `dense_path` names the one that applies.
   "pallas-lowp", "auto-lowp"
                the same with the kernel's opt-in low-precision value product where it applies
@@ -30,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer, runtime_layer
@@ -311,6 +318,30 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
     return _softmax_attend(qg, k, v, (t >= start[:, None]) & (t >= 0) & (t < n[:, None]))
 
 
+def _kivi_xla(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
+    """The quantized region dequantized inside XLA's multiply-and-reduce fusions, read in the
+    stored token order (`QuantizedStore.token_slots`), and the windows in place: caches whose
+    keys and values are both per token (the float formats, `pertoken*`), post-RoPE.
+    NotImplementedError otherwise."""
+    if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
+        raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
+    k, k_pos, k_chan = cache.keys.token_slots(layer)
+    v, v_pos, v_chan = cache.values.token_slots(layer)
+    m = cache.quantized_split()
+    # scores in the keys' slot order, against q in their channel order; V^T's slots are stored
+    # in another order: the scores follow it (both are permutations of the same slots)
+    s = jnp.sum(jnp.take(qg, k_chan, axis=-1)[:, :, :, None] * k[:, :, None], axis=-1)
+    s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
+    s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
+    vt = v.swapaxes(-1, -2)  # [B, H, D, Tq]: V^T as stored, reduced over its rows
+    main = _normalize(s, lambda p: jnp.sum(p[:, :, :, None] * vt[:, :, None], axis=-1))
+    o, lse = main
+    parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
+    if cache.tail_window:  # no windows: everything held is quantized
+        parts.append(tail_attention(qg, cache, layer, m))
+    return merge_partials(parts)
+
+
 def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     if cache.config.pre_rope:  # q.RoPE(k_t) rotates q per position: no folding
         raise NotImplementedError("the folded form reads post-RoPE keys (pre_rope=False)")
@@ -525,8 +556,10 @@ def decode_attention(
         o = shard_attention(qg, q, cache, layer, impl, scale, interpret)
     elif isinstance(cache, DenseCache):
         o = _dense(q, qg, cache, layer, impl, scale)
-    elif impl in ("xla", "cudnn"):
-        raise NotImplementedError(f"{impl!r} attention reads dense caches only")
+    elif impl == "cudnn":
+        raise NotImplementedError("'cudnn' attention reads dense caches only")
+    elif impl == "xla":
+        o, _ = _kivi_xla(qg, cache, layer)
     elif impl == "reference":
         o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "folded":
@@ -537,6 +570,11 @@ def decode_attention(
         # tokamax-style dispatch: a kernel that declines a case at trace time falls back.
         try:
             o, _ = kernel()
+        except NotImplementedError:
+            o, _ = _kivi_reference(qg, cache, layer)
+    elif impl == "auto" and jax.default_backend() == "gpu":
+        try:  # where the kernel does not apply: the codes read in place, if their form allows
+            o, _ = _kivi_xla(qg, cache, layer)
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)
     else:

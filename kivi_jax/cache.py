@@ -54,6 +54,7 @@ from kivi_jax.quant import (
     swapped_byte,
     to_cache_order,
     unblock_columns,
+    unpack,
     unpack_tokens,
     value_codes_blocked,
 )
@@ -734,6 +735,37 @@ class QuantizedStore:
         per_group = lambda a: None if a is None else a.reshape(*lead, d // g, -1)
         out = formats.decode(self.fmt, per_group(codes), per_group(scale), per_group(aux), g)
         return out.reshape(*lead, d)
+
+    def token_slots(self, layer) -> tuple[Array, np.ndarray, np.ndarray]:
+        """A per-token store's quantized slots of `layer` as float32 [B, Hkv, Tq, D] in the
+        order they are stored, with the sinks overlaid; the position of each slot's token [Tq]
+        (before the store's `origin`) and the model channel of each stored channel [D].
+        Attention is the same over any order of the tokens, and q can take the channels'
+        order: read as stored, a consumer that reduces over the slots reads the codes in
+        place, where the model's order is a gather XLA materializes (`dense_layer`). The order:
+        tokens in the cache order (`cache_slot`), and the middle bytes of every 4 of a stored
+        row swapped (`swapped_byte`): channels for keys, token slots for V^T. NotImplementedError
+        for per-channel or blocked stores."""
+        if self.axis != "token" or self.blocked:
+            raise NotImplementedError("token slots: per-token stores, unblocked, only")
+        token_axis = -1 if self.transposed else -2
+        c = unpack(self.codes[layer], self.bits, axis=token_axis, plane=CACHE_PLANE)
+        slots = np.arange(self.capacity)
+        if self.transposed:  # V^T rows: their token slots swapped
+            c, slots = c.swapaxes(-1, -2), swapped_byte(slots)  # [B, H, Tq, D]
+        channels = np.arange(c.shape[-1])
+        if not self.transposed:  # key rows: their channels swapped
+            channels = swapped_byte(channels)
+
+        def per_slot(a):  # [B, H, D/blk, Tq] in the cache order -> [B, H, Tq, D/blk], as c
+            return None if a is None else jnp.take(a[layer], slots, axis=-1).swapaxes(-1, -2)
+
+        x = self._decode_tokens(c, per_slot(self.scale), per_slot(self.minimum))
+        positions = cache_slot(slots)
+        if self.sinks:
+            sv = jnp.take(self.sink[layer], np.clip(positions, 0, self.sinks - 1), axis=2)
+            x = self._overlay_sinks(x, jnp.take(sv, channels, axis=-1), positions[:, None])
+        return x, positions, channels
 
     def dense_layer(self, layer, lengths: Array, dtype, origin=0) -> Array:
         """Every position of `layer` as [B, Tq, Hkv, D] in `dtype`: dequantized, and for rows

@@ -80,16 +80,19 @@ def pack(codes: Array, bits: int, *, axis: int = -1, plane: int = 1) -> Array:
 def unpack(packed: Array, bits: int, *, axis: int = -1, plane: int = 1) -> Array:
     """Inverse of `pack`: uint8 codes, the packed axis grown by P."""
     per = codes_per_byte(bits)
-    packed = jnp.moveaxis(jnp.asarray(packed), axis, -1)
-    m = packed.shape[-1]
+    packed = jnp.asarray(packed)
+    axis %= packed.ndim
+    m = packed.shape[axis]
     if packed.dtype != jnp.uint8:
         raise ValueError(f"unpack: packed codes must be uint8, got {packed.dtype}")
     if m % plane:
         raise ValueError(f"unpack: axis length {m} is not a multiple of plane={plane}")
-    p = packed.reshape(*packed.shape[:-1], m // plane, 1, plane)
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(per, 1)
+    # reshapes around the axis, no transpose: XLA then fuses an unpack into its consumer
+    lead, tail = packed.shape[:axis], packed.shape[axis + 1 :]
+    p = packed.reshape(*lead, m // plane, 1, plane, *tail)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(per, 1, *(1,) * len(tail))
     c = (p >> shifts) & jnp.uint8((1 << bits) - 1)
-    return jnp.moveaxis(c.reshape(*packed.shape[:-1], m * per), -1, axis)
+    return c.reshape(*lead, m * per, *tail)
 
 
 def cache_slot(t):

@@ -211,9 +211,54 @@ def test_dense_cudnn_declines_a_float32_cache_and_quantized_caches():
     with pytest.raises(NotImplementedError, match="16-bit cache"):
         attend(q, c, 1, implementation="cudnn")
     kc = kj.make_cache("kivi2", num_layers=L, batch=2, kv_heads=2, head_dim=D, max_len=64)
-    for impl in ("cudnn", "xla"):
-        with pytest.raises(NotImplementedError, match="dense caches only"):
-            attend(q[:2], kc, 1, implementation=impl)
+    with pytest.raises(NotImplementedError, match="dense caches only"):
+        attend(q[:2], kc, 1, implementation="cudnn")
+
+
+@pytest.mark.parametrize(
+    "name, group, knobs",
+    [
+        ("fp8", 64, {}),
+        ("nvfp4", 64, {}),
+        ("mxfp4", 32, {}),
+        ("fp8", 64, {"sinks": 4}),
+        ("nvfp4", 64, {"sinks": 8, "rotation": "both"}),
+        ("fp8", 64, {"residual_length": 0}),
+    ],
+    ids=str,
+)
+def test_xla_reads_per_token_caches_as_stored_and_agrees_with_reference(name, group, knobs):
+    """The stored order (cache-ordered slots, swapped bytes) read in place: the same attention
+    as the reference to float32 rounding, on ragged rows (full, part-quantized, empty)."""
+    rng = np.random.default_rng(7)
+    nl, nb, hkv, d, t = 2, 3, 2, 64, 700
+    c = kj.make_cache(
+        name,
+        num_layers=nl,
+        batch=nb,
+        kv_heads=hkv,
+        head_dim=d,
+        max_len=768,
+        group_size=group,
+        **knobs,
+    )
+    k, v = (jnp.asarray(rng.normal(size=(nl, nb, hkv, t, d)), jnp.bfloat16) for _ in range(2))
+    c = c.prefill(k, v, jnp.array([700, 300, 0]))
+    q = jnp.asarray(rng.normal(size=(nb, 8, d)), jnp.float32)
+    ref = attend(q, c, 1, implementation="reference")
+    got = attend(q, c, 1, implementation="xla")
+    np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+    assert not np.any(got[2])  # an empty row attends to nothing
+
+
+def test_xla_declines_per_channel_blocked_and_pre_rope_caches():
+    rope = {"pre_rope": True, "rope_frequencies": 1e4 ** -(np.arange(32) / 32)}
+    for name, knobs in (("kivi2", {}), ("pertoken2", {}), ("fp8", rope)):
+        c = kj.make_cache(
+            name, num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=256, **knobs
+        )
+        with pytest.raises(NotImplementedError):
+            attend(jnp.ones((2, 4, 64)), c, 1, implementation="xla")
 
 
 @pytest.mark.gpu
