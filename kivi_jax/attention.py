@@ -321,7 +321,7 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
 def _kivi_xla(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     """The quantized region dequantized inside XLA's multiply-and-reduce fusions, read in the
     stored token order (`QuantizedStore.token_slots`), and the windows in place: caches whose
-    keys and values are both per token (the float formats, `pertoken*`), post-RoPE.
+    keys and values are both per token and unblocked (the float formats), post-RoPE.
     NotImplementedError otherwise."""
     if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
         raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
@@ -334,8 +334,7 @@ def _kivi_xla(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
     s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
     s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
     vt = v.swapaxes(-1, -2)  # [B, H, D, Tq]: V^T as stored, reduced over its rows
-    main = _normalize(s, lambda p: jnp.sum(p[:, :, :, None] * vt[:, :, None], axis=-1))
-    o, lse = main
+    o, lse = _normalize(s, lambda p: jnp.sum(p[:, :, :, None] * vt[:, :, None], axis=-1))
     parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
     if cache.tail_window:  # no windows: everything held is quantized
         parts.append(tail_attention(qg, cache, layer, m))
