@@ -921,7 +921,8 @@ class _CacheOps:
         if s > self.max_len:
             raise ValueError(f"prompt length S={s} exceeds the cache's max_len={self.max_len}")
         _check_dims("lengths", lengths, (self.batch,), dtype_kind="integer")
-        if _is_concrete(lengths) and bool(jnp.any((lengths < 0) | (lengths > s))):
+        # checked in numpy: under a jit, jnp on lengths closed over as a constant is traced
+        if _is_concrete(lengths) and np.any((np.asarray(lengths) < 0) | (np.asarray(lengths) > s)):
             raise ValueError(f"lengths must lie in [0, S={s}], got {np.asarray(lengths)}")
 
     def _check_token(self, layer, k, v):

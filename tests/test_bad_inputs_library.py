@@ -433,6 +433,22 @@ def test_prefill_under_jit_flags_rows_with_lengths_outside_0_to_s(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("name", ["kivi2", "fp16"])
+def test_prefill_under_jit_checks_lengths_closed_over_as_constants(name):
+    """Lengths captured by the jitted function (not passed to it) are concrete: they are
+    checked, and the check itself must not be traced (it raised TracerBoolConversionError)."""
+    k, v = map(jnp.asarray, _kv(5, 100))
+    c = _empty(name)
+    good = jnp.array([0, 100, 60], jnp.int32)
+    got = jax.jit(lambda c, k, v: c.prefill(k, v, good))(c, k, v)
+    host = c.prefill(k, v, good)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bad = jnp.array([-3, 150, 60], jnp.int32)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, S=100\]"):
+        jax.jit(lambda c, k, v: c.prefill(k, v, bad))(c, k, v)
+
+
 @pytest.mark.parametrize(
     "name, impl", [("kivi2", "reference"), ("kivi2", "folded"), ("fp16", "auto")]
 )
