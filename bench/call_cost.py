@@ -59,7 +59,7 @@ def _chain(step, calls: int, layers: int):
             q = q + common.CHAIN_STEP * step(q, cache, jnp.int32(i % layers))
         return q
 
-    return jax.jit(run, compiler_options=kivi_jax.compiler_options())
+    return jax.jit(run)
 
 
 def launches_per_call(chain, calls: int, *args) -> dict[str, float]:

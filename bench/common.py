@@ -198,8 +198,7 @@ def kivi_chain(calls: int, layers: int, implementation: str = "pallas", tuning=N
     or skipped, and one launch spreads the host's dispatch over `calls` calls. The calls share
     one jitted step with the layer index as an argument (as in a model's layer scan; the
     kernel reads the index itself): the kernel is traced and lowered once, not once per call.
-    `tuning`: the kernel's TuningConfig (None: its own choice). Compiled with
-    `kivi_jax.compiler_options()`, as `models.generate` compiles a model's programs."""
+    `tuning`: the kernel's TuningConfig (None: its own choice)."""
     step = jax.jit(
         functools.partial(kivi_jax.decode_attention, implementation=implementation, tuning=tuning)
     )
@@ -209,15 +208,14 @@ def kivi_chain(calls: int, layers: int, implementation: str = "pallas", tuning=N
             q = q + CHAIN_STEP * step(q, cache, jnp.int32(i % layers))
         return q
 
-    return jax.jit(run, compiler_options=kivi_jax.compiler_options())
+    return jax.jit(run)
 
 
 def dense_chain(calls: int, implementation: str = "cudnn", masked: bool = True):
     """jit(q [B, 1, Hq, D], kvs, lengths [B]) -> q after `calls` dependent
     `jax.nn.dot_product_attention` calls over kvs[i % len(kvs)], chained as `kivi_chain`.
     masked: rows of `lengths` tokens through key_value_seq_lengths; False attends every
-    position of the buffers. Compiled with `kivi_jax.compiler_options()`, as the kernel's
-    chain and a dense model's programs are."""
+    position of the buffers."""
 
     def run(q, kvs, lengths):
         for i in range(calls):
@@ -232,7 +230,7 @@ def dense_chain(calls: int, implementation: str = "cudnn", masked: bool = True):
             q = q + CHAIN_STEP * o
         return q
 
-    return jax.jit(run, compiler_options=kivi_jax.compiler_options())
+    return jax.jit(run)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,7 @@ row, the row lengths through key_value_seq_lengths). Each side is a straight-lin
 --calls dependent calls in one jit (`bench.common.kivi_chain` / `dense_chain`: each call's
 query is the previous query plus 1e-3 times its output, over as many distinct layers as keep
 the bytes between two visits of a layer above the L2), so one launch spreads the host's
-dispatch over the calls and nothing can overlap, be hoisted or be merged; both compile with
-`kivi_jax.compiler_options()`, as a model's programs do. Kernel and baseline
+dispatch over the calls and nothing can overlap, be hoisted or be merged. Kernel and baseline
 alternate over --rounds rounds (ABBA) in one process; the per-call time is the median launch
 time over the rounds divided by --calls. TB/s: the bytes a call reads (codes, scales and
 minimums of T tokens, the R full-precision tokens; fp16 K and V for the baseline) per second.
