@@ -11,8 +11,9 @@ implementation:
   "xla"        dense caches: XLA attention reading K/V in the cache dtype with float32
                accumulation (multiply-and-reduce; reads each layer of the cache in place).
                KIVI caches whose keys and values are both per token (the float formats fp8,
-               nvfp4, mxfp4): the codes dequantized inside the multiply-and-reduce fusions, in
-               the order they are stored; agrees with "reference" to float32 rounding;
+               nvfp4, mxfp4): read in the order they are stored, dequantized to a 16-bit
+               query's dtype (else float32) for two XLA products with float32 accumulation;
+               with a float32 query it agrees with "reference" to float32 rounding;
                NotImplementedError for other caches (per-channel keys, blocked codes,
                pre-RoPE keys).
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
@@ -32,6 +33,7 @@ implementation:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -318,23 +320,34 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
     return _softmax_attend(qg, k, v, (t >= start[:, None]) & (t >= 0) & (t < n[:, None]))
 
 
-def _kivi_xla(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
-    """The quantized region dequantized inside XLA's multiply-and-reduce fusions, read in the
-    stored token order (`QuantizedStore.token_slots`), and the windows in place: caches whose
-    keys and values are both per token and unblocked (the float formats), post-RoPE.
-    NotImplementedError otherwise."""
+def _product_dtype(q: Array):
+    """The operand dtype of "xla"'s products on a quantized cache: a 16-bit query's (the
+    dequantized codes written at half float32's bytes, as a 16-bit dense cache reads), else
+    float32."""
+    return q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
+    """The quantized region read in the stored token order (`QuantizedStore.token_slots`),
+    dequantized to `dtype` (the query's, if 16-bit) for XLA's two products with float32
+    accumulation, and the windows in place: caches whose keys and values are both per token
+    and unblocked (the float formats), post-RoPE. NotImplementedError otherwise."""
     if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
         raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
     k, k_pos, k_chan = cache.keys.token_slots(layer)
     v, v_pos, v_chan = cache.values.token_slots(layer)
     m = cache.quantized_split()
+    product = functools.partial(
+        jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
     # scores in the keys' slot order, against q in their channel order; V^T's slots are stored
     # in another order: the scores follow it (both are permutations of the same slots)
-    s = jnp.sum(jnp.take(qg, k_chan, axis=-1)[:, :, :, None] * k[:, :, None], axis=-1)
+    qk = jnp.take(qg, k_chan, axis=-1).astype(dtype)
+    s = product("bhgd,bhtd->bhgt", qk, k.astype(dtype))
     s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
     s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
-    vt = v.swapaxes(-1, -2)  # [B, H, D, Tq]: V^T as stored, reduced over its rows
-    o, lse = _normalize(s, lambda p: jnp.sum(p[:, :, :, None] * vt[:, :, None], axis=-1))
+    vt = v.swapaxes(-1, -2).astype(dtype)  # [B, H, D, Tq]: V^T as stored
+    o, lse = _normalize(s, lambda p: product("bhgt,bhdt->bhgd", p.astype(dtype), vt))
     parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
     if cache.tail_window:  # no windows: everything held is quantized
         parts.append(tail_attention(qg, cache, layer, m))
@@ -558,7 +571,7 @@ def decode_attention(
     elif impl == "cudnn":
         raise NotImplementedError("'cudnn' attention reads dense caches only")
     elif impl == "xla":
-        o, _ = _kivi_xla(qg, cache, layer)
+        o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
     elif impl == "reference":
         o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "folded":
@@ -573,7 +586,7 @@ def decode_attention(
             o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "auto" and jax.default_backend() == "gpu":
         try:  # where the kernel does not apply: the codes read in place, if their form allows
-            o, _ = _kivi_xla(qg, cache, layer)
+            o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)
     else:

@@ -227,9 +227,13 @@ def test_dense_cudnn_declines_a_float32_cache_and_quantized_caches():
     ],
     ids=str,
 )
-def test_xla_reads_per_token_caches_as_stored_and_agrees_with_reference(name, group, knobs):
-    """The stored order (cache-ordered slots, swapped bytes) read in place: the same attention
-    as the reference to float32 rounding, on ragged rows (full, part-quantized, empty)."""
+@pytest.mark.parametrize("q_dtype, atol", [(jnp.float32, 2e-6), (jnp.bfloat16, 4e-3)])
+def test_xla_reads_per_token_caches_as_stored_and_agrees_with_reference(
+    name, group, knobs, q_dtype, atol
+):
+    """The stored order (cache-ordered slots, swapped bytes): the same attention as the
+    reference, on ragged rows (full, part-quantized, empty); to float32 rounding for a float32
+    query, to the rounding of bf16 operands (and output) for a bf16 one."""
     rng = np.random.default_rng(7)
     nl, nb, hkv, d, t = 2, 3, 2, 64, 700
     c = kj.make_cache(
@@ -246,8 +250,8 @@ def test_xla_reads_per_token_caches_as_stored_and_agrees_with_reference(name, gr
     c = c.prefill(k, v, jnp.array([700, 300, 0]))
     q = jnp.asarray(rng.normal(size=(nb, 8, d)), jnp.float32)
     ref = attend(q, c, 1, implementation="reference")
-    got = attend(q, c, 1, implementation="xla")
-    np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+    got = np.asarray(attend(q.astype(q_dtype), c, 1, implementation="xla"), np.float32)
+    np.testing.assert_allclose(got, ref, atol=atol, rtol=0)
     assert not np.any(got[2])  # an empty row attends to nothing
 
 
