@@ -87,6 +87,8 @@ def unpack(packed: Array, bits: int, *, axis: int = -1, plane: int = 1) -> Array
         raise ValueError(f"unpack: packed codes must be uint8, got {packed.dtype}")
     if m % plane:
         raise ValueError(f"unpack: axis length {m} is not a multiple of plane={plane}")
+    if per == 1:  # one code per byte: the bytes themselves (no shift for XLA to materialize)
+        return packed
     # reshapes around the axis, no transpose: XLA then fuses an unpack into its consumer
     lead, tail = packed.shape[:axis], packed.shape[axis + 1 :]
     p = packed.reshape(*lead, m // plane, 1, plane, *tail)
