@@ -184,14 +184,18 @@ def max_batch_at(
     rec["predicted_batch"] = int(pred)
     if not probe or pred < 1:
         return rec
-    for b in dict.fromkeys([int(pred), max(1, int(pred) // 2)]):  # two tries (each compiles)
+    # Each try compiles. The largest array (one store's codes for every layer) needs one free
+    # block of its size: where earlier points have fragmented the device's memory the
+    # predicted batch can fail to allocate while seven eighths of it fits.
+    tries = [int(pred), int(pred) * 7 // 8, int(pred) * 3 // 4, int(pred) // 2]
+    for b in dict.fromkeys(max(1, t) for t in tries):
         try:
             _, secs, tps, nbytes = measure(
                 params, config, cache_name, b, context, 4, impl, dtype, residual_length, group_size
             )
             rec.update(batch=b, cache_bytes=nbytes, tokens_per_s=round(tps, 1))
             return rec
-        except Exception as e:  # noqa: BLE001 - an OOM (attention temporaries) halves the batch
+        except Exception as e:  # noqa: BLE001 - an OOM: the next, smaller try
             rec.setdefault("failed", []).append([b, type(e).__name__, str(e)[:160]])
     return rec
 
