@@ -9,6 +9,8 @@ model makes it, against cuDNN fp16 attention over the same rows, on a grid of sh
     python -m bench.kernel_grid --kbg 2:32,2:64 --sinks 8 --rotate both  # best3 / best25's
                                                     # knobs with post-RoPE keys
     python -m bench.kernel_grid --ragged --batches 8 --tokens 32768  # rows of T/3..T
+    python -m bench.kernel_grid --formats fp8:64,nvfp4:64 --batches 1,8 --tokens 32768
+                                                    # the float formats' public call ("auto")
 
 What is timed: `kivi_jax.decode_attention(q, cache, layer, implementation="pallas")` (the
 kernel over the quantized region, the residual tail and their merge) on a `kivi_jax.KiviCache`
@@ -27,7 +29,11 @@ With --ragged the rows hold T/3..T quantized tokens (spaced evenly, the longest 
 baseline masks the same lengths) and the bytes are the rows' own. With --sinks N the first N
 positions are attended from their buffer beside the kernel (which skips them) and merged; with
 --rotate q is rotated before the call and the output after: both
-inside the timed call, as `decode_attention` runs them (docs/formats.md).
+inside the timed call, as `decode_attention` runs them (docs/formats.md). With --formats the
+cells are float-format caches (`kivi_jax.make_cache(NAME, group_size=G)`, random bf16 K/V of
+std 1 prefilled, T quantized tokens and R in the windows) read by `implementation="auto"`
+(on a GPU their "xla" path: the kernel does not read them), the bytes those of one layer of
+the cache.
 
 Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_chain_*.json:
 rows plus an `env` block with the date, GPU, driver, versions and
@@ -111,6 +117,44 @@ def measure(
         sinks=sinks,
         rotation=rotation,
     )
+    fields = dict(key_bits=kb, value_bits=vb, G=g, sinks=sinks, rotation=rotation, ragged=ragged)
+    return _timed_row(
+        cache,
+        layers,
+        nbytes,
+        batch,
+        tokens,
+        quantized,
+        dense,
+        hq=hq,
+        calls=calls,
+        rounds=rounds,
+        kernel_impl=kernel_impl,
+        baseline_impl=baseline_impl,
+        masked=masked,
+        fields=fields,
+    )
+
+
+def _timed_row(
+    cache,
+    layers,
+    nbytes,
+    batch,
+    tokens,
+    quantized,
+    dense,
+    *,
+    hq,
+    calls,
+    rounds,
+    kernel_impl,
+    baseline_impl,
+    masked,
+    fields,
+) -> dict:
+    """The cache's chain (`layers` distinct layers, `nbytes` read per call) and the baseline's
+    chain (`dense`: its K/V per layer and dtype), alternating; the results row."""
     q = common.random_query(jax.random.key(1), batch, hq, HEAD_DIM)
     kvs, dense_dtype = dense
     qd = q[:, None].astype(dense_dtype)
@@ -133,12 +177,7 @@ def measure(
         Hq=hq,
         Hkv=KV_HEADS,
         D=HEAD_DIM,
-        key_bits=kb,
-        value_bits=vb,
-        G=g,
-        sinks=sinks,
-        rotation=rotation,
-        ragged=ragged,
+        **fields,
         row_tokens=quantized,
         kernel=kernel_impl,
         baseline=baseline_impl,
@@ -161,6 +200,104 @@ def measure(
     )
 
 
+def format_cache(name, group, *, layers, batch, tokens, residual, lengths, sinks, rotation):
+    """A float-format cache (`kivi_jax.make_cache(name)`) whose rows hold `lengths` tokens:
+    random bf16 K/V of std 1, the same in every layer, prefilled."""
+    t = tokens + residual
+    cache = kivi_jax.make_cache(
+        name,
+        num_layers=layers,
+        batch=batch,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_len=t,
+        group_size=group,
+        residual_length=residual,
+        sinks=sinks,
+        rotation=rotation,
+    )
+    shape = (batch, KV_HEADS, t, HEAD_DIM)
+
+    @jax.jit
+    def fill(c, n):
+        kk, kv = jax.random.split(jax.random.key(batch * 7 + tokens))
+        k, v = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kk, kv))
+        grow = lambda x: jnp.broadcast_to(x, (layers, *shape))
+        return c.prefill(grow(k), grow(v), n)
+
+    return fill(cache, jnp.asarray(lengths, jnp.int32))
+
+
+def measure_format(
+    batch,
+    tokens,
+    fmt,
+    dense,
+    *,
+    hq,
+    calls,
+    rounds,
+    kernel_impl,
+    baseline_impl,
+    masked,
+    sinks=0,
+    rotation="none",
+    ragged=False,
+) -> dict:
+    """One grid cell of a float-format cache (`fmt`: (name, G)) against the baseline chain,
+    alternating; a results row as `measure`'s, with the format's name."""
+    name, g = fmt
+    quantized = row_tokens(batch, tokens, ragged)
+    probe = format_cache(
+        name,
+        g,
+        layers=1,
+        batch=1,
+        tokens=tokens,
+        residual=RESIDUAL,
+        lengths=[0],
+        sinks=sinks,
+        rotation=rotation,
+    )
+    layer_bytes = batch * probe.nbytes().total
+    layers = common.layers_for(layer_bytes, calls)
+    cache = format_cache(
+        name,
+        g,
+        layers=layers,
+        batch=batch,
+        tokens=tokens,
+        residual=RESIDUAL,
+        lengths=[t + RESIDUAL for t in quantized],
+        sinks=sinks,
+        rotation=rotation,
+    )
+    return _timed_row(
+        cache,
+        layers,
+        layer_bytes,
+        batch,
+        tokens,
+        quantized,
+        dense,
+        hq=hq,
+        calls=calls,
+        rounds=rounds,
+        kernel_impl=kernel_impl,
+        baseline_impl=baseline_impl,
+        masked=masked,
+        fields=dict(
+            format=name,
+            key_bits=cache.config.key_bits,
+            value_bits=cache.config.value_bits,
+            G=g,
+            sinks=sinks,
+            rotation=rotation,
+            ragged=ragged,
+        ),
+    )
+
+
 def grid(
     batches,
     tokens,
@@ -177,9 +314,11 @@ def grid(
     sinks=0,
     rotation="none",
     ragged=False,
+    formats=(),
 ) -> list[dict]:
-    """Every (B, T) point with every bits/G configuration; the baseline's K/V built once per
-    point and timed again beside each configuration."""
+    """Every (B, T) point with every bits/G configuration (or, given `formats`, every
+    (name, G) float format); the baseline's K/V built once per point and timed again beside
+    each configuration."""
     rows = []
     for b in batches:
         for t in tokens:
@@ -195,11 +334,12 @@ def grid(
                 length=t + RESIDUAL,
                 dtype=dense_dtype,
             )
-            for kbg in kbgs:
-                row = measure(
+            cells = [(measure_format, f) for f in formats] or [(measure, c) for c in kbgs]
+            for cell, config in cells:
+                row = cell(
                     b,
                     t,
-                    kbg,
+                    config,
                     (kvs, dense_dtype),
                     hq=hq,
                     calls=calls,
@@ -276,6 +416,20 @@ def check(
     return rows, ok_all
 
 
+FLOAT_FORMATS = ("fp8", "nvfp4", "mxfp4")
+
+
+def parse_formats(text: str) -> list[tuple[str, int]]:
+    """'fp8:64,nvfp4:64' -> [("fp8", 64), ("nvfp4", 64)]; ValueError for another name."""
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, g = item.partition(":")
+        if name not in FLOAT_FORMATS or not g.isdigit():
+            raise ValueError(f"--formats takes NAME:G with NAME in {FLOAT_FORMATS}, got {item!r}")
+        out.append((name, int(g)))
+    return out
+
+
 TABLE_HEAD = (
     "| B | T | K/V bits | G | kernel ms | baseline ms | speedup | kernel TB/s | "
     "layers |\n|---|---|---|---|---|---|---|---|---|"
@@ -290,8 +444,9 @@ def table_line(r: dict) -> str:
     variant = f" S{r['sinks']}" if r.get("sinks") else ""
     variant += f" rot={r['rotation']}" if r.get("rotation", "none") != "none" else ""
     variant += " ragged" if r.get("ragged") else ""
+    bits = r.get("format") or f"{r['key_bits']}/{r['value_bits']}"
     return (
-        f"| {r['B']} | {tokens_label(r['T'])} | {r['key_bits']}/{r['value_bits']} | "
+        f"| {r['B']} | {tokens_label(r['T'])} | {bits} | "
         f"{r['G']}{variant} | "
         f"{r['kernel_ms']:.4f} | {r['baseline_ms']:.4f} | {r['speedup']:.2f}x | "
         f"{r['kernel_TBps']:.2f} | {r['kernel_layers']}/{r['baseline_layers']} |"
@@ -332,6 +487,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ragged", action="store_true", help="rows of T/3..T quantized tokens (the longest T)"
     )
+    ap.add_argument(
+        "--formats",
+        default="",
+        help="NAME:G list of float formats (fp8, nvfp4, mxfp4) timed instead of --kbg",
+    )
     ap.add_argument("--json", default=None, help="results file (rows and an env block)")
     a = ap.parse_args(argv)
     knobs = dict(sinks=a.sinks, rotation=a.rotate)
@@ -348,7 +508,9 @@ def main(argv=None) -> int:
         return 0 if ok else 1
     if a.anchor:
         a.batches, a.tokens, a.kbg = ANCHOR["batches"], ANCHOR["tokens"], ANCHOR["kbg"]
-    impls = dict(kernel_impl="pallas", baseline_impl="cudnn", dense_dtype=jnp.float16)
+    formats = parse_formats(a.formats)
+    kernel_impl = "auto" if formats else "pallas"
+    impls = dict(kernel_impl=kernel_impl, baseline_impl="cudnn", dense_dtype=jnp.float16)
     if a.dry_run:
         for name, value in DRY_RUN.items():
             setattr(a, name, value)
@@ -371,6 +533,7 @@ def main(argv=None) -> int:
         **impls,
         **knobs,
         ragged=a.ragged,
+        formats=formats,
     )
     if a.json:
         common.write_json(a.json, env=env, rows=rows)

@@ -193,6 +193,39 @@ def test_kernel_grid_ragged_rows_hold_a_third_to_all_of_t(tmp_path, capsys):
     assert "| 2 | 256 | 2/2 | 32 ragged |" in capsys.readouterr().out
 
 
+def test_kernel_grid_times_float_formats_through_the_public_call(tmp_path, capsys):
+    """--formats: float-format caches filled by prefill (rows of T + R tokens), one row per
+    format with its bytes (one layer of the cache), the baseline beside each."""
+    out = tmp_path / "grid.json"
+    assert kernel_grid.main(["--dry-run", "--formats", "fp8:64,nvfp4:64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["G"]) for r in rows] == [("fp8", 64), ("nvfp4", 64)]
+    fp8 = kernel_grid.format_cache(
+        "fp8",
+        64,
+        layers=1,
+        batch=2,
+        tokens=256,
+        residual=128,
+        lengths=[384, 384],
+        sinks=0,
+        rotation="none",
+    )
+    np.testing.assert_array_equal(fp8.lengths, [384, 384])
+    assert rows[0]["kernel_bytes"] == fp8.nbytes().total
+    assert rows[1]["kernel_bytes"] < rows[0]["kernel_bytes"]  # 4.5 bits against 8.25
+    assert all(r["kernel"] == "reference" and r["kernel_ms"] > 0 for r in rows)
+    text = capsys.readouterr().out
+    assert "| 2 | 256 | fp8 | 64 |" in text and "| 2 | 256 | nvfp4 | 64 |" in text
+    # the public call over the filled cache attends what was prefilled (not an empty cache)
+    q = common.random_query(jax.random.key(1), 2, 32, 128)
+    assert np.abs(np.asarray(kivi_jax.decode_attention(q, fp8, 0), np.float32)).max() > 0
+    with pytest.raises(ValueError, match="NAME:G"):
+        kernel_grid.parse_formats("kivi2:32")
+    with pytest.raises(ValueError, match="NAME:G"):
+        kernel_grid.parse_formats("fp8")
+
+
 def test_kernel_grid_times_sinks_and_rotation_inside_the_call(tmp_path, capsys):
     """best3 / best25's knobs: the grid's cache holds filled sink buffers, the rows and the
     bytes count them, and the timed call attends them (the output differs from the cache
