@@ -80,18 +80,14 @@ def measure(
     kbg,
     dense,
     *,
-    hq,
-    calls,
-    rounds,
-    kernel_impl,
-    baseline_impl,
-    masked,
     sinks=0,
     rotation="none",
     ragged=False,
+    **timing,
 ) -> dict:
     """One grid cell: the kernel chain and the baseline chain (`dense`: its K/V per layer),
-    alternating; a results row. `ragged`: rows of `row_tokens` quantized tokens (T/3..T)."""
+    alternating; a results row. `ragged`: rows of `row_tokens` quantized tokens (T/3..T);
+    `timing`: `_timed_row`'s hq, calls, rounds, implementations and masking."""
     kb, vb, g = kbg
     quantized = row_tokens(batch, tokens, ragged)
     nbytes = sum(
@@ -100,7 +96,7 @@ def measure(
     )
     layers = common.layers_for(
         common.kivi_bytes(batch, KV_HEADS, HEAD_DIM, tokens, RESIDUAL, kb, vb, g, sinks=sinks),
-        calls,
+        timing["calls"],
     )
     cache = common.random_kivi_cache(
         jax.random.key(batch * 7 + tokens + kb),
@@ -118,22 +114,7 @@ def measure(
         rotation=rotation,
     )
     fields = dict(key_bits=kb, value_bits=vb, G=g, sinks=sinks, rotation=rotation, ragged=ragged)
-    return _timed_row(
-        cache,
-        layers,
-        nbytes,
-        batch,
-        tokens,
-        quantized,
-        dense,
-        hq=hq,
-        calls=calls,
-        rounds=rounds,
-        kernel_impl=kernel_impl,
-        baseline_impl=baseline_impl,
-        masked=masked,
-        fields=fields,
-    )
+    return _timed_row(cache, layers, nbytes, batch, quantized, dense, fields=fields, **timing)
 
 
 def _timed_row(
@@ -141,7 +122,6 @@ def _timed_row(
     layers,
     nbytes,
     batch,
-    tokens,
     quantized,
     dense,
     *,
@@ -172,7 +152,7 @@ def _timed_row(
     )
     return dict(
         B=batch,
-        T=tokens,
+        T=max(quantized),  # the longest row (all of them unless ragged)
         R=RESIDUAL,
         Hq=hq,
         Hkv=KV_HEADS,
@@ -234,15 +214,10 @@ def measure_format(
     fmt,
     dense,
     *,
-    hq,
-    calls,
-    rounds,
-    kernel_impl,
-    baseline_impl,
-    masked,
     sinks=0,
     rotation="none",
     ragged=False,
+    **timing,
 ) -> dict:
     """One grid cell of a float-format cache (`fmt`: (name, G)) against the baseline chain,
     alternating; a results row as `measure`'s, with the format's name."""
@@ -260,7 +235,7 @@ def measure_format(
         rotation=rotation,
     )
     layer_bytes = batch * probe.nbytes().total
-    layers = common.layers_for(layer_bytes, calls)
+    layers = common.layers_for(layer_bytes, timing["calls"])
     cache = format_cache(
         name,
         g,
@@ -272,30 +247,16 @@ def measure_format(
         sinks=sinks,
         rotation=rotation,
     )
-    return _timed_row(
-        cache,
-        layers,
-        layer_bytes,
-        batch,
-        tokens,
-        quantized,
-        dense,
-        hq=hq,
-        calls=calls,
-        rounds=rounds,
-        kernel_impl=kernel_impl,
-        baseline_impl=baseline_impl,
-        masked=masked,
-        fields=dict(
-            format=name,
-            key_bits=cache.config.key_bits,
-            value_bits=cache.config.value_bits,
-            G=g,
-            sinks=sinks,
-            rotation=rotation,
-            ragged=ragged,
-        ),
+    fields = dict(
+        format=name,
+        key_bits=cache.config.key_bits,
+        value_bits=cache.config.value_bits,
+        G=g,
+        sinks=sinks,
+        rotation=rotation,
+        ragged=ragged,
     )
+    return _timed_row(cache, layers, layer_bytes, batch, quantized, dense, fields=fields, **timing)
 
 
 def grid(
