@@ -585,7 +585,7 @@ def decode_attention(
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)
     elif impl == "auto" and jax.default_backend() == "gpu":
-        try:  # where the kernel does not apply: the codes read in place, if their form allows
+        try:  # where the kernel does not apply: the float formats through XLA's GEMMs
             o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)

@@ -741,8 +741,8 @@ class QuantizedStore:
         order they are stored, with the sinks overlaid; the position of each slot's token [Tq]
         (before the store's `origin`) and the model channel of each stored channel [D].
         Attention is the same over any order of the tokens, and q can take the channels'
-        order: read as stored, a consumer that reduces over the slots reads the codes in
-        place, where the model's order is a gather XLA materializes (`dense_layer`). The order:
+        order: read as stored, dequantizing is elementwise, where the model's order is a
+        gather (`dense_layer`). The order:
         tokens in the cache order (`cache_slot`), and the middle bytes of every 4 of a stored
         row swapped (`swapped_byte`): channels for keys, token slots for V^T. NotImplementedError
         for per-channel or blocked stores."""
