@@ -15,8 +15,12 @@ The dense cache attends through --dense-impl; each fp16 record names the path th
 (`dense_path`: "cudnn" or "xla"; "auto" takes cuDNN on a GPU for a 16-bit cache).
 
 Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
-weights, then checked by allocating that cache and running decode steps (half the batch
-if that fails).
+weights, then checked by allocating that cache and running decode steps (7/8, 3/4 and half
+of the batch if that fails).
+
+The roofline of each point and largest batch (`roofline_tokens_per_s`, `of_roofline`): the
+tokens/s of a step that reads the weights (`weight_bytes_per_step`) and the whole cache
+(`cache_bytes`) once at --bandwidth bytes/s (default 4.3e12, the H200's achievable).
 
 Weights in the layout `models.generate.decode_layout` picks (per-layer on GPUs; `--stacked`
 keeps the layer scan over stacked weights everywhere). Random weights, so that the run needs
@@ -104,6 +108,29 @@ def dense_path_of(impl: str, dtype) -> str:
         return impl
     x = jax.ShapeDtypeStruct((), dtype)
     return kivi_jax.attention.dense_path(x, x)  # reads only the dtypes
+
+
+# The roofline's bandwidth: what the H200 reaches in practice (cuDNN's decode attention reads
+# 4.4 TB/s of its 4.8 TB/s datasheet at B=8, T=128k; docs/performance.md, "Limits").
+ROOFLINE_BANDWIDTH = 4.3e12
+
+
+def weight_bytes_per_step(params) -> int:
+    """Bytes of weights one decode step reads: every parameter, less the embedding table
+    where a separate lm_head exists (the step gathers one row of it per token)."""
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - params["embed"].nbytes if "lm_head" in params else total
+
+
+def with_roofline(rec: dict, weight_bytes: int, bandwidth: float) -> dict:
+    """rec (batch, cache_bytes, tokens_per_s) with the roofline: tokens/s of a step that reads
+    the weights and the whole cache once at `bandwidth`, and the share of it reached."""
+    if "cache_bytes" not in rec or "tokens_per_s" not in rec:
+        return rec
+    roof = rec["batch"] * bandwidth / (weight_bytes + rec["cache_bytes"])
+    return dict(
+        rec, roofline_tokens_per_s=round(roof, 1), of_roofline=round(rec["tokens_per_s"] / roof, 3)
+    )
 
 
 def run_loop(params, config, cache, steps, impl, max_new):
@@ -238,6 +265,12 @@ def main(argv=None):
         help="KIVI caches: 'LAYERS FIELD=VALUE ...' (kivi-jax eval's), repeatable; needs "
         "--no-max-batch (the largest-batch prediction takes one config)",
     )
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=ROOFLINE_BANDWIDTH,
+        help="bytes/s of the roofline (default: the H200's achievable 4.3e12)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="directory for generate_bench.json")
     args = ap.parse_args(argv)
     if args.layer_override and not args.no_max_batch:
@@ -291,6 +324,7 @@ def main(argv=None):
         if not args.stacked:
             params = G.decode_layout(params)  # what generate() and the CLI decode with
         jax.block_until_ready(params)
+        weights = weight_bytes_per_step(params)
         print(
             f"# {config.name}: {config.num_params() / 1e9:.2f}B random params in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -329,6 +363,7 @@ def main(argv=None):
                         )
                     except Exception as e:  # noqa: BLE001 - record and go on
                         rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    rec = with_roofline(rec, weights, args.bandwidth)
                     result["points"].append(rec)
                     print(json.dumps(rec), flush=True)
                     save()
@@ -347,6 +382,7 @@ def main(argv=None):
                     args.dense_impl if cache == "fp16" else impls[0],
                     probe=not args.no_probe,
                 )
+                rec = with_roofline(rec, weights, args.bandwidth)
                 result["max_batch"].append(rec)
                 print(json.dumps(rec), flush=True)
                 save()
@@ -361,21 +397,23 @@ def main(argv=None):
     )
     print(
         f"{'model':14} {'batch':>5} {'context':>7} {'cache':6} {'impl':9} {'tok/s':>9} "
-        f"{'cache MB':>9} {'peak GB':>8}"
+        f"{'cache MB':>9} {'peak GB':>8} {'roofline':>9}"
     )
     for r in result["points"]:
         tps = f"{r['tokens_per_s']:9.1f}" if "tokens_per_s" in r else "    error"
         mb = f"{r['cache_bytes'] / 1e6:9.1f}" if "cache_bytes" in r else ""
-        peak = f"{r['peak_device_bytes'] / 1e9:8.1f}" if r.get("peak_device_bytes") else ""
+        peak = f"{r['peak_device_bytes'] / 1e9:8.1f}" if r.get("peak_device_bytes") else " " * 8
+        roof = f"{100 * r['of_roofline']:8.0f}%" if "of_roofline" in r else ""
         print(
             f"{r['model']:14} {r['batch']:5d} {r['context']:7d} {r['cache']:6} {r['impl']:9} "
-            f"{tps} {mb} {peak}"
+            f"{tps} {mb} {peak} {roof}"
         )
     for r in result["max_batch"]:
         print(
             f"max batch at {r['context']} ({r['model']}, {r['cache']}): "
             f"predicted {r.get('predicted_batch')}, ran {r.get('batch', '-')} "
-            f"({r.get('tokens_per_s', float('nan')):.1f} tok/s)"
+            f"({r.get('tokens_per_s', float('nan')):.1f} tok/s"
+            + (f", {100 * r['of_roofline']:.0f}% of the roofline)" if "of_roofline" in r else ")")
             + (f"; failed {r['failed']}" if r.get("failed") else "")
         )
     return result

@@ -323,6 +323,18 @@ def test_generate_tiny_runs_and_writes_its_json(tmp_path):
     )
     assert [r["cache"] for r in res["points"]] == ["fp16", "kivi2"]
     assert all(r["tokens_per_s"] > 0 for r in res["points"]), res["points"]
+    # the roofline: the weights a step reads (an untied embedding table only gathered from,
+    # a tied one read whole as the output projection) and the cache
+    params = generate.llama.init_params(generate.TINY, jax.random.key(0), jnp.bfloat16)
+    total = lambda p: sum(x.nbytes for x in jax.tree.leaves(p))
+    weights = total(params) - params["embed"].nbytes
+    assert generate.weight_bytes_per_step(params) == weights
+    tied = {k: v for k, v in params.items() if k != "lm_head"}
+    assert generate.weight_bytes_per_step(tied) == total(tied)
+    for r in res["points"]:
+        roof = 2 * generate.ROOFLINE_BANDWIDTH / (weights + r["cache_bytes"])
+        assert r["roofline_tokens_per_s"] == pytest.approx(roof, abs=0.1)
+        assert r["of_roofline"] == pytest.approx(r["tokens_per_s"] / roof, abs=1e-3)
     saved = json.loads((tmp_path / "generate_bench.json").read_text())
     assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
 
