@@ -52,6 +52,7 @@ import numpy as np
 
 import kivi_jax
 from bench import common
+from kivi_jax import memory
 
 KV_HEADS, HEAD_DIM, RESIDUAL = 8, 128, 128
 GRID = dict(batches="1,8,32", tokens="8192,32768,131072", kbg="2:128,2:32,4:128,4:32")
@@ -223,18 +224,10 @@ def measure_format(
     alternating; a results row as `measure`'s, with the format's name."""
     name, g = fmt
     quantized = row_tokens(batch, tokens, ragged)
-    probe = format_cache(
-        name,
-        g,
-        layers=1,
-        batch=1,
-        tokens=tokens,
-        residual=RESIDUAL,
-        lengths=[0],
-        sinks=sinks,
-        rotation=rotation,
-    )
-    layer_bytes = batch * probe.nbytes().total
+    # one layer of the cache as allocated (the calculator `kivi_jax.memory` is exact for it)
+    config = kivi_jax.cache_config(name, g, RESIDUAL, sinks=sinks, rotation=rotation)
+    shape = memory.KVShape(1, KV_HEADS, HEAD_DIM)
+    layer_bytes = memory.cache_bytes(shape, config, tokens=tokens + RESIDUAL, batch=batch).total
     layers = common.layers_for(layer_bytes, timing["calls"])
     cache = format_cache(
         name,

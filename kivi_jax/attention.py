@@ -47,6 +47,8 @@ from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import mask_logits as _mask_logits
 from pallas_kernels.merge import merge_partials as _merge
 
+# The dtypes the 16-bit paths take (cuDNN, the kernel, "xla"'s products on float formats)
+_SIXTEEN_BIT = (jnp.bfloat16, jnp.float16)
 IMPLEMENTATIONS = (
     "auto",
     "reference",
@@ -198,7 +200,7 @@ def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
     Raises NotImplementedError where cuDNN declines at trace time (no GPU or cuDNN, a float32
     cache, a head dim or GQA ratio it rejects), so that "auto" can fall back to XLA.
     """
-    if cache.dtype not in (jnp.bfloat16, jnp.float16):
+    if cache.dtype not in _SIXTEEN_BIT:
         raise NotImplementedError(f"cuDNN attention needs a 16-bit cache, got {cache.dtype}")
     # [B, T, Hkv, D], the cache's own layout: no transpose of the layer, nor of the cache.
     k, v = cache.layer_kv(layer)
@@ -222,8 +224,7 @@ def dense_path(q: Array, cache: DenseCache) -> str:
     """The path "auto" takes on a dense cache: "cudnn" (GPU, 16-bit q and cache) or "xla"; where
     cuDNN declines the shapes at trace time "auto" still falls back to "xla"."""
     gpu = jax.default_backend() == "gpu"
-    sixteen = (jnp.bfloat16, jnp.float16)
-    return "cudnn" if gpu and cache.dtype in sixteen and q.dtype in sixteen else "xla"
+    return "cudnn" if gpu and cache.dtype in _SIXTEEN_BIT and q.dtype in _SIXTEEN_BIT else "xla"
 
 
 def _dense(q, qg, cache: DenseCache, layer, impl: str, scale: float) -> Array:
@@ -324,7 +325,7 @@ def _product_dtype(q: Array):
     """The operand dtype of "xla"'s products on a quantized cache: a 16-bit query's (the
     dequantized codes written at half float32's bytes, as a 16-bit dense cache reads), else
     float32."""
-    return q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    return q.dtype if q.dtype in _SIXTEEN_BIT else jnp.float32
 
 
 def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
@@ -501,7 +502,7 @@ def _kernel_applies(q: Array, cache: KiviCache) -> bool:
         and cache.config.kernel_layout
         and (cache.seq_axis is None or not cache.config.sinks)
         and cache.config.scale_dtype == "float16"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and q.dtype in _SIXTEEN_BIT
     )
 
 
@@ -651,7 +652,7 @@ def _cudnn_with_lse(q, k, v, scale, **kw) -> tuple[Array, Array]:
     """cuDNN's fused attention of q [B, C, Hq, D] over k, v [B, T, Hkv, D] (16-bit) with its
     log-sum-exp -> (o float32 [B, C, Hq, D], lse [B, C, Hq]). Raises NotImplementedError
     where cuDNN declines at trace time (no GPU or cuDNN, a head dim or dtype it rejects)."""
-    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+    if jax.default_backend() != "gpu" or q.dtype not in _SIXTEEN_BIT:
         raise NotImplementedError("cuDNN attention needs a GPU and 16-bit inputs")
     try:
         o, lse = jax.nn.dot_product_attention(

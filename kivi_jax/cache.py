@@ -921,9 +921,10 @@ class _CacheOps:
         if s > self.max_len:
             raise ValueError(f"prompt length S={s} exceeds the cache's max_len={self.max_len}")
         _check_dims("lengths", lengths, (self.batch,), dtype_kind="integer")
-        # checked in numpy: under a jit, jnp on lengths closed over as a constant is traced
-        if _is_concrete(lengths) and np.any((np.asarray(lengths) < 0) | (np.asarray(lengths) > s)):
-            raise ValueError(f"lengths must lie in [0, S={s}], got {np.asarray(lengths)}")
+        if _is_concrete(lengths):  # in numpy: under a jit, jnp on a closed-over constant traces
+            n = np.asarray(lengths)
+            if np.any((n < 0) | (n > s)):
+                raise ValueError(f"lengths must lie in [0, S={s}], got {n}")
 
     def _check_token(self, layer, k, v):
         """Check write's arguments -> (layer index, write position [B], valid [B]); a traced
