@@ -11,9 +11,11 @@ implementation:
   "xla"        dense caches: XLA attention reading K/V in the cache dtype with float32
                accumulation (multiply-and-reduce; reads each layer of the cache in place).
                KIVI caches whose keys and values are both per token (the float formats fp8,
-               nvfp4, mxfp4): read in the order they are stored, dequantized to a 16-bit
-               query's dtype (else float32) for two XLA products with float32 accumulation;
-               with a float32 query it agrees with "reference" to float32 rounding;
+               nvfp4, mxfp4): read in the order they are stored by two XLA products with
+               float32 accumulation in a 16-bit query's dtype (else float32): fp8 without
+               sinks as stored, its block scales applied to the products' results; the
+               others dequantized first. With a float32 query it agrees with "reference" to
+               float32 rounding;
                NotImplementedError for other caches (per-channel keys, blocked codes,
                pre-RoPE keys).
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
@@ -329,12 +331,15 @@ def _product_dtype(q: Array):
 
 
 def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
-    """The quantized region read in the stored token order (`QuantizedStore.token_slots`),
-    dequantized to `dtype` (the query's, if 16-bit) for XLA's two products with float32
-    accumulation, and the windows in place: caches whose keys and values are both per token
-    and unblocked (the float formats), post-RoPE. NotImplementedError otherwise."""
+    """The quantized region read in the stored token order by XLA's two products in `dtype`
+    (the query's, if 16-bit) with float32 accumulation, and the windows in place: caches whose
+    keys and values are both per token and unblocked (the float formats), post-RoPE.
+    NotImplementedError otherwise. fp8 without sinks: `_fp8_scaled_products`; the rest
+    dequantized to `dtype` first (`QuantizedStore.token_slots`)."""
     if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
         raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
+    if cache.keys.fmt == cache.values.fmt == "fp8" and not cache.config.sinks:
+        return _fp8_scaled_products(qg, cache, layer, dtype)
     k, k_pos, k_chan = cache.keys.token_slots(layer)
     v, v_pos, v_chan = cache.values.token_slots(layer)
     m = cache.quantized_split()
@@ -351,6 +356,41 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     o, lse = _normalize(s, lambda p: product("bhgt,bhdt->bhgd", p.astype(dtype), vt))
     parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
     if cache.tail_window:  # no windows: everything held is quantized
+        parts.append(tail_attention(qg, cache, layer, m))
+    return merge_partials(parts)
+
+
+def _fp8_scaled_products(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
+    """`_kivi_xla` on fp8 stores without sinks: the products read the elements as stored
+    (`QuantizedStore.fp8_slots`) and the block scales are applied to their results. Scores:
+    q split into its channel blocks (zero outside block j: J = D / G rows per query, no batch
+    dimension added) against the raw keys gives one partial score per block, scaled by the
+    key's block scale and summed. Values: P scaled by each slot's block-j scale gives J rows
+    per query against the raw V^T; row j keeps block j's channels."""
+    k, ks, k_pos, k_chan = cache.keys.fp8_slots(layer)  # k [B, H, Tq, D], ks [B, H, J, Tq]
+    vt, vs, v_pos, v_chan = cache.values.fp8_slots(layer)  # vt [B, H, D, Tq], vs [B, H, J, Tq]
+    m = cache.quantized_split()
+    product = functools.partial(
+        jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
+    d = k.shape[-1]
+    blocks = jnp.repeat(
+        jnp.eye(d // cache.keys.group_size, dtype=jnp.float32), cache.keys.group_size, axis=-1
+    )  # [J, D]
+    qk = jnp.take(qg, k_chan, axis=-1)[:, :, :, None, :] * blocks  # [B, H, g, J, D]
+    s = jnp.sum(
+        product("bhgjd,bhtd->bhgjt", qk.astype(dtype), k.astype(dtype)) * ks[:, :, None], axis=-2
+    )
+    s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
+    s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
+
+    def pv(p):  # p [B, H, g, Tq] -> [B, H, g, D]
+        pj = (p[:, :, :, None] * vs[:, :, None]).astype(dtype)  # [B, H, g, J, Tq]
+        return jnp.sum(product("bhgjt,bhdt->bhgjd", pj, vt.astype(dtype)) * blocks, axis=-2)
+
+    o, lse = _normalize(s, pv)
+    parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
+    if cache.tail_window:
         parts.append(tail_attention(qg, cache, layer, m))
     return merge_partials(parts)
 

@@ -767,6 +767,29 @@ class QuantizedStore:
             x = self._overlay_sinks(x, jnp.take(sv, channels, axis=-1), positions[:, None])
         return x, positions, channels
 
+    def fp8_slots(self, layer) -> tuple[Array, Array, np.ndarray, np.ndarray]:
+        """An fp8 store's quantized slots of `layer` left as they lie: the elements as
+        float8_e4m3fn in the stored orientation ([B, Hkv, Tq, D]; V^T rows [B, Hkv, D, Tq]),
+        their block scales as float32 [B, Hkv, D/G, Tq] per stored slot, and the positions and
+        channels of `token_slots`. An element's value is its block's scale times the element,
+        so a product can read the elements where they lie (XLA converts them inside the GEMM)
+        and scale its per-block results; a dequantized copy would be written and read again.
+        NotImplementedError for other formats and for stores with sinks (`token_slots`
+        overlays those)."""
+        if self.fmt != "fp8" or self.sinks or self.blocked:
+            raise NotImplementedError("fp8 slots: unblocked fp8 stores without sinks")
+        elements = jax.lax.bitcast_convert_type(self.codes[layer], jnp.float8_e4m3fn)
+        slots = np.arange(self.capacity)
+        channels = np.arange(elements.shape[-2 if self.transposed else -1])
+        if self.transposed:  # V^T rows: their token slots swapped
+            slots = swapped_byte(slots)
+        else:  # key rows: their channels swapped, within each block
+            channels = swapped_byte(channels)
+        scale = self.scale[layer].astype(jnp.float32)
+        if self.transposed:
+            scale = jnp.take(scale, slots, axis=-1)
+        return elements, scale, cache_slot(slots), channels
+
     def dense_layer(self, layer, lengths: Array, dtype, origin=0) -> Array:
         """Every position of `layer` as [B, Tq, Hkv, D] in `dtype`: dequantized, and for rows
         holding `lengths` tokens their newest W from the window (what `gather` reads, in one

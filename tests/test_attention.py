@@ -224,6 +224,7 @@ def test_dense_cudnn_declines_a_float32_cache_and_quantized_caches():
         ("fp8", 64, {"sinks": 4}),
         ("nvfp4", 64, {"sinks": 8, "rotation": "both"}),
         ("fp8", 64, {"residual_length": 0}),
+        ("fp8", 16, {"rotation": "keys"}),
     ],
     ids=str,
 )
@@ -253,6 +254,31 @@ def test_xla_reads_per_token_caches_as_stored_and_agrees_with_reference(
     got = np.asarray(attend(q.astype(q_dtype), c, 1, implementation="xla"), np.float32)
     np.testing.assert_allclose(got, ref, atol=atol, rtol=0)
     assert not np.any(got[2])  # an empty row attends to nothing
+
+
+def test_xla_reads_fp8_elements_where_they_lie(monkeypatch):
+    """fp8 without sinks: the products take the stored elements and scale their results
+    (`QuantizedStore.fp8_slots`), never a dequantized copy (`token_slots`); with sinks, which
+    `token_slots` overlays, the dequantized path."""
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 2, 300, 64)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.float32)
+    caches = {
+        sinks: kj.make_cache(
+            "fp8", num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=384, sinks=sinks
+        ).prefill(k, v, jnp.array([300, 170]))
+        for sinks in (0, 4)
+    }
+    refs = {n: attend(q, c, 1, implementation="reference") for n, c in caches.items()}
+
+    def no_copy(self, layer):
+        raise AssertionError("dequantized copy")
+
+    monkeypatch.setattr(kj.cache.QuantizedStore, "token_slots", no_copy)
+    got = attend(q, caches[0], 1, implementation="xla")
+    np.testing.assert_allclose(got, refs[0], atol=2e-6, rtol=0)
+    with pytest.raises(AssertionError, match="dequantized copy"):
+        attend(q, caches[4], 1, implementation="xla")
 
 
 def test_xla_declines_per_channel_blocked_and_pre_rope_caches():
