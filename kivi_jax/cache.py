@@ -736,6 +736,16 @@ class QuantizedStore:
         out = formats.decode(self.fmt, per_group(codes), per_group(scale), per_group(aux), g)
         return out.reshape(*lead, d)
 
+    def _stored_order(self, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """A per-token store's stored order: the cache slot of each stored token column [Tq]
+        and the model channel of each stored channel [D]. The middle bytes of every 4 of a
+        stored row are swapped: token slots for V^T rows, channels for key rows (which stay in
+        their blocks)."""
+        slots, channels = np.arange(self.capacity), np.arange(head_dim)
+        if self.transposed:
+            return swapped_byte(slots), channels
+        return slots, swapped_byte(channels)
+
     def token_slots(self, layer) -> tuple[Array, np.ndarray, np.ndarray]:
         """A per-token store's quantized slots of `layer` as float32 [B, Hkv, Tq, D] in the
         order they are stored, with the sinks overlaid; the position of each slot's token [Tq]
@@ -750,12 +760,9 @@ class QuantizedStore:
             raise NotImplementedError("token slots: per-token stores, unblocked, only")
         token_axis = -1 if self.transposed else -2
         c = unpack(self.codes[layer], self.bits, axis=token_axis, plane=CACHE_PLANE)
-        slots = np.arange(self.capacity)
-        if self.transposed:  # V^T rows: their token slots swapped
-            c, slots = c.swapaxes(-1, -2), swapped_byte(slots)  # [B, H, Tq, D]
-        channels = np.arange(c.shape[-1])
-        if not self.transposed:  # key rows: their channels swapped
-            channels = swapped_byte(channels)
+        if self.transposed:
+            c = c.swapaxes(-1, -2)  # [B, H, Tq, D]
+        slots, channels = self._stored_order(c.shape[-1])
 
         def per_slot(a):  # [B, H, D/blk, Tq] in the cache order -> [B, H, Tq, D/blk], as c
             return None if a is None else jnp.take(a[layer], slots, axis=-1).swapaxes(-1, -2)
@@ -779,12 +786,7 @@ class QuantizedStore:
         if self.fmt != "fp8" or self.sinks or self.blocked:
             raise NotImplementedError("fp8 slots: unblocked fp8 stores without sinks")
         elements = jax.lax.bitcast_convert_type(self.codes[layer], jnp.float8_e4m3fn)
-        slots = np.arange(self.capacity)
-        channels = np.arange(elements.shape[-2 if self.transposed else -1])
-        if self.transposed:  # V^T rows: their token slots swapped
-            slots = swapped_byte(slots)
-        else:  # key rows: their channels swapped, within each block
-            channels = swapped_byte(channels)
+        slots, channels = self._stored_order(elements.shape[-2 if self.transposed else -1])
         scale = self.scale[layer].astype(jnp.float32)
         if self.transposed:
             scale = jnp.take(scale, slots, axis=-1)
