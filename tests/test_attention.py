@@ -281,6 +281,32 @@ def test_xla_reads_fp8_elements_where_they_lie(monkeypatch):
         attend(q, caches[4], 1, implementation="xla")
 
 
+def test_fp8_slots_times_their_scales_are_the_token_slots():
+    """`fp8_slots` and `token_slots` describe the same stored order: each element times its
+    block's scale is the dequantized slot, bit for bit, keys and V^T alike, with the same
+    positions and channels; other formats and stores with sinks decline."""
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 2, 300, 64)), jnp.bfloat16) for _ in range(2))
+    c = kj.make_cache(
+        "fp8", num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=384, group_size=16
+    ).prefill(k, v, jnp.array([300, 170]))
+    for store in (c.keys, c.values):
+        x, scale, pos, chan = store.fp8_slots(1)
+        want, want_pos, want_chan = store.token_slots(1)
+        if store.transposed:  # V^T rows [B, H, D, Tq] -> [B, H, Tq, D]
+            x = x.swapaxes(-1, -2)
+        got = x.astype(jnp.float32) * jnp.repeat(scale.swapaxes(-1, -2), 16, axis=-1)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(pos, want_pos)
+        np.testing.assert_array_equal(chan, want_chan)
+    for name, knobs in (("nvfp4", {}), ("fp8", {"sinks": 4})):
+        other = kj.make_cache(
+            name, num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=256, **knobs
+        )
+        with pytest.raises(NotImplementedError):
+            other.keys.fp8_slots(0)
+
+
 def test_xla_declines_per_channel_blocked_and_pre_rope_caches():
     rope = {"pre_rope": True, "rope_frequencies": 1e4 ** -(np.arange(32) / 32)}
     for name, knobs in (("kivi2", {}), ("pertoken2", {}), ("fp8", rope)):
