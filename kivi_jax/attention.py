@@ -596,12 +596,24 @@ def decode_attention(
     _check_cache(cache)
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
+    given = layer
     layer, in_range = check_layer(layer, cache.num_layers)
+    kernel_layer = layer
     if isinstance(cache, KiviCache):  # q in the stored keys' basis (`KiviConfig.rotation`)
         q, layer = cache.rotate_query(q), runtime_layer(layer)
+        # The kernel applies the range policy itself (reads clamped, o NaN): given the index
+        # as it came, no launch clamps it before the kernel or masks the output after it.
+        kernel_layer = layer if in_range is None else runtime_layer(given)
     qg = _group_query(q, cache.kv_heads, scale)
     impl, lowp = implementation.removesuffix("-lowp"), implementation.endswith("-lowp")
-    kernel = lambda: _kivi_pallas(qg, q, cache, layer, scale, interpret, tuning, lowp, q.dtype)
+    ran_kernel = False
+
+    def kernel():
+        nonlocal ran_kernel
+        out = _kivi_pallas(qg, q, cache, kernel_layer, scale, interpret, tuning, lowp, q.dtype)
+        ran_kernel = True
+        return out
+
     if isinstance(cache, KiviCache) and cache.seq_axis is not None:
         # inside shard_map over the token axes: this device's tokens, merged across the axis
         from kivi_jax.parallel import shard_attention
@@ -634,8 +646,8 @@ def decode_attention(
         o, _ = _kivi_reference(qg, cache, layer)
     if isinstance(cache, KiviCache):
         o = cache.unrotate_output(o)
-    if in_range is not None:  # a traced layer out of range was clamped: never another's answer
-        o = jnp.where(in_range, o, jnp.nan)
+    if in_range is not None and not ran_kernel:  # a traced layer out of range was clamped:
+        o = jnp.where(in_range, o, jnp.nan)  # never another's answer
     return o.reshape(q.shape).astype(q.dtype)
 
 

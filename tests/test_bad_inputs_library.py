@@ -467,6 +467,34 @@ def test_a_traced_layer_out_of_range_gives_nan_never_another_layers_answer(name,
         err.throw()
 
 
+@pytest.mark.parametrize("window", [32, 64], ids=["tail-merged-outside", "windows-in-kernel"])
+def test_a_traced_layer_out_of_range_gives_nan_through_the_kernel(window):
+    """ "pallas" (under the interpreter) applies the layer policy inside the kernel, with no
+    launch around it: NaN for a layer outside [0, L), that layer's answer in range."""
+    c = kj.make_cache(
+        "kivi2",
+        num_layers=2,
+        batch=B,
+        kv_heads=H,
+        head_dim=D,
+        max_len=256,
+        dtype=jnp.bfloat16,
+        residual_length=window,
+        group_size=32,
+    )
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in _kv(6, 200, num_layers=2))
+    c = c.prefill(k, v, jnp.array([200, 50, 0], jnp.int32))
+    q = _q().astype(jnp.bfloat16)
+    attend = functools.partial(kj.decode_attention, implementation="pallas", interpret=True)
+    f = jax.jit(lambda q, c, l: attend(q, c, l))
+    for bad in (2, -1):
+        assert np.all(np.isnan(np.asarray(f(q, c, bad), np.float32))), bad
+    got = np.asarray(f(q, c, 1), np.float32)
+    np.testing.assert_array_equal(got, np.asarray(attend(q, c, 1), np.float32))
+    ref = kj.decode_attention(q, c, 1, implementation="reference")
+    np.testing.assert_allclose(got, np.asarray(ref, np.float32), atol=3e-2, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["kivi2", "fp16"])
 def test_a_traced_write_to_a_layer_out_of_range_is_dropped_in_every_layer(name):
     """Clamped, the write used to land in part of the last layer (the key window only)."""

@@ -76,6 +76,34 @@ def test_interpret_skip_matches_reference(skip):
     run_case(CASES[0], 8, interpreter(), skip=skip)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [CASES[0], WINDOW_CASES[0], WINDOW_CASES[3]],
+    ids=["splits-merged-outside", "windows", "windows-merged-in-kernel"],
+)
+def test_a_traced_layer_out_of_range_reads_in_bounds_and_gives_nan(case):
+    """The kernel applies the library's layer policy itself (no launch around it does): a
+    traced layer outside [0, L) reads the nearest layer and every output row is NaN, empty
+    rows included, as in the twin; a traced layer in range is that layer; a concrete one out
+    of range is a ValueError."""
+    cache, windows = case_cache(case, 3), case_windows(case, 3)
+    q = make_q(4, case.B, case.Hq, case.D, case.dtype)
+    nt = jnp.asarray(case.lengths, jnp.int32)
+    kw = dict(**case.kw, tuning=case.tuning, windows=windows)
+    f = jax.jit(lambda layer: kivi_decode(q, *cache, nt, layer, interpret=interpreter(), **kw))
+    for bad in (3, -1):
+        o, _ = f(jnp.int32(bad))
+        assert np.isnan(np.asarray(o, np.float32)).all(), bad
+        ro, _ = kivi_decode_reference(q, *cache, nt, jnp.int32(bad), **kw)
+        assert np.isnan(np.asarray(ro, np.float32)).all(), bad
+    o, lse = f(jnp.int32(2))
+    want, want_lse = kivi_decode(q, *cache, nt, 2, interpret=interpreter(), **kw)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got 3"):
+        kivi_decode(q, *cache, nt, 3, interpret=interpreter(), **kw)
+
+
 @pytest.mark.parametrize("n", [8, 40, 12, 72])
 def test_interpret_sinks_match_reference(n):
     """A cache's sinks (the first n positions in full precision) attended from their own

@@ -101,6 +101,8 @@ def check_inputs(
         raise ValueError(f"num_tokens must be an int32 [B={B}] array, got {jnp.shape(num_tokens)}")
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
         raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < L:
+        raise ValueError(f"layer must be in [0, {L}), got {int(layer)}")  # traced: o is NaN
     if Hq // Hkv > MAX_PADDED_HEADS:
         raise NotImplementedError(
             f"Hq/Hkv={Hq // Hkv} query heads per kv head (max {MAX_PADDED_HEADS})"
@@ -415,9 +417,11 @@ def kivi_decode(
     blocks them at 2 bits, where the kernel is faster over blocks, and keeps rows at 4; either
     form gives the same bits), v_scale/v_min [L,B,Hkv,D/G,Tq] f16. num_tokens [B] int32: attend
     to positions [0, num_tokens[b]) (clamped to Tq) of layer `layer` (int32 scalar, may be
-    traced). Returns (o [B,Hq,D] normalized, in `out_dtype` (float32, bfloat16 or float16),
-    lse [B,Hq] f32 natural-log sum-exp of the scaled logits); rows with num_tokens == 0 give
-    o = 0 and lse = -inf. o is computed in float32 and rounded to out_dtype once; where the
+    traced; a traced layer outside [0, L) reads the nearest layer and gives o = NaN, inside
+    the launch: `kivi_jax.cache.check_layer`'s policy with no launch of its own). Returns
+    (o [B,Hq,D] normalized, in `out_dtype` (float32, bfloat16 or float16), lse [B,Hq] f32
+    natural-log sum-exp of the scaled logits); rows with num_tokens == 0 give o = 0 and
+    lse = -inf. o is computed in float32 and rounded to out_dtype once; where the
     launch merges its splits and attends everything itself, the kernel writes it so (one
     launch and nothing after it), else the merge after the launch does.
 

@@ -171,7 +171,12 @@ class _Unit:
         )
         self.vd8_s = own("vd8_s") if P.f8v and P.interpret else None
         self.red_s = None if P.interpret else own("red_s")  # cross-warp reduction scratch
-        self.layer = layer_g[0]
+        # A traced layer cannot raise: outside [0, L) every read takes the nearest layer (never
+        # another array's memory) and the output is NaN, the library's policy
+        # (`kivi_jax.cache.check_layer`), so no launch around the kernel has to apply it.
+        L = gmem[0].shape[0]
+        self.layer = jnp.clip(layer_g[0], 0, L - 1)
+        self.layer_ok = (layer_g[0] >= 0) & (layer_g[0] < L)
         TS = STEP_TOKENS
         if P.window:  # nt_g: the rows' lengths; the newest W positions are the windows'
             self.windows, self.window_scale = windows, window_scale
@@ -1082,6 +1087,7 @@ class _Unit:
                 ]
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+        inv = jnp.where(self.layer_ok, inv, jnp.nan)  # every o below is scaled by it
         ib = lax.broadcast_in_dim(inv, (PLANE, P.NP), [1])
         if P.lgmax:  # the minimums' term; the codes' product weighs 2^-1 (fp8) or
             # 2^(VSUB_C - 24) (subnormal fields)

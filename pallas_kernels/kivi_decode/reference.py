@@ -202,4 +202,5 @@ def kivi_decode_reference(
         o, lse = merge_partials(
             o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale, held)
         )
+    o = jnp.where((layer >= 0) & (layer < L), o, jnp.nan)  # read clamped; the output NaN
     return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)
