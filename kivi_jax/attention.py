@@ -334,65 +334,63 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     """The quantized region read in the stored token order by XLA's two products in `dtype`
     (the query's, if 16-bit) with float32 accumulation, and the windows in place: caches whose
     keys and values are both per token and unblocked (the float formats), post-RoPE.
-    NotImplementedError otherwise. fp8 without sinks: `_fp8_scaled_products`; the rest
-    dequantized to `dtype` first (`QuantizedStore.token_slots`)."""
+    NotImplementedError otherwise. fp8 without sinks: `_fp8_products`; the rest dequantized
+    to `dtype` first (`_dequantized_products`)."""
     if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
         raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
-    if cache.keys.fmt == cache.values.fmt == "fp8" and not cache.config.sinks:
-        return _fp8_scaled_products(qg, cache, layer, dtype)
-    k, k_pos, k_chan = cache.keys.token_slots(layer)
-    v, v_pos, v_chan = cache.values.token_slots(layer)
-    m = cache.quantized_split()
     product = functools.partial(
         jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
     )
+    fp8 = cache.keys.fmt == cache.values.fmt == "fp8" and not cache.config.sinks
+    products = _fp8_products if fp8 else _dequantized_products
+    (k_pos, k_chan, scores), (v_pos, v_chan, pv) = products(cache, layer, dtype, product)
+    m = cache.quantized_split()
     # scores in the keys' slot order, against q in their channel order; V^T's slots are stored
     # in another order: the scores follow it (both are permutations of the same slots)
-    qk = jnp.take(qg, k_chan, axis=-1).astype(dtype)
-    s = product("bhgd,bhtd->bhgt", qk, k.astype(dtype))
+    s = scores(jnp.take(qg, k_chan, axis=-1))
     s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
     s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
-    vt = v.swapaxes(-1, -2).astype(dtype)  # [B, H, D, Tq]: V^T as stored
-    o, lse = _normalize(s, lambda p: product("bhgt,bhdt->bhgd", p.astype(dtype), vt))
+    o, lse = _normalize(s, pv)
     parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
     if cache.tail_window:  # no windows: everything held is quantized
         parts.append(tail_attention(qg, cache, layer, m))
     return merge_partials(parts)
 
 
-def _fp8_scaled_products(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
-    """`_kivi_xla` on fp8 stores without sinks: the products read the elements as stored
-    (`QuantizedStore.fp8_slots`) and the block scales are applied to their results. Scores:
-    q split into its channel blocks (zero outside block j: J = D / G rows per query, no batch
-    dimension added) against the raw keys gives one partial score per block, scaled by the
-    key's block scale and summed. Values: P scaled by each slot's block-j scale gives J rows
-    per query against the raw V^T; row j keeps block j's channels."""
+def _dequantized_products(cache: KiviCache, layer, dtype, product):
+    """`_kivi_xla`'s products over K and V dequantized to `dtype` in the stored order
+    (`QuantizedStore.token_slots`): ((key positions, key channels, scores(q)), (value
+    positions, value channels, pv(p)))."""
+    k, k_pos, k_chan = cache.keys.token_slots(layer)
+    v, v_pos, v_chan = cache.values.token_slots(layer)
+    vt = v.swapaxes(-1, -2).astype(dtype)  # [B, H, D, Tq]: V^T as stored
+    scores = lambda qk: product("bhgd,bhtd->bhgt", qk.astype(dtype), k.astype(dtype))
+    pv = lambda p: product("bhgt,bhdt->bhgd", p.astype(dtype), vt)
+    return (k_pos, k_chan, scores), (v_pos, v_chan, pv)
+
+
+def _fp8_products(cache: KiviCache, layer, dtype, product):
+    """`_dequantized_products` for fp8 stores without sinks: the products read the elements as
+    stored (`QuantizedStore.fp8_slots`) and the block scales are applied to their results.
+    Scores: q split into its channel blocks (zero outside block j: J = D / G rows per query,
+    no batch dimension added) against the raw keys gives one partial score per block, scaled
+    by the key's block scale and summed. Values: P scaled by each slot's block-j scale gives J
+    rows per query against the raw V^T; row j keeps block j's channels."""
     k, ks, k_pos, k_chan = cache.keys.fp8_slots(layer)  # k [B, H, Tq, D], ks [B, H, J, Tq]
     vt, vs, v_pos, v_chan = cache.values.fp8_slots(layer)  # vt [B, H, D, Tq], vs [B, H, J, Tq]
-    m = cache.quantized_split()
-    product = functools.partial(
-        jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
-    )
-    d = k.shape[-1]
-    blocks = jnp.repeat(
-        jnp.eye(d // cache.keys.group_size, dtype=jnp.float32), cache.keys.group_size, axis=-1
-    )  # [J, D]
-    qk = jnp.take(qg, k_chan, axis=-1)[:, :, :, None, :] * blocks  # [B, H, g, J, D]
-    s = jnp.sum(
-        product("bhgjd,bhtd->bhgjt", qk.astype(dtype), k.astype(dtype)) * ks[:, :, None], axis=-2
-    )
-    s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
-    s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
+    g = cache.keys.group_size
+    blocks = jnp.repeat(jnp.eye(k.shape[-1] // g, dtype=jnp.float32), g, axis=-1)  # [J, D]
 
-    def pv(p):  # p [B, H, g, Tq] -> [B, H, g, D]
+    def scores(qk):  # [B, H, g, D] -> [B, H, g, Tq]
+        qj = (qk[:, :, :, None, :] * blocks).astype(dtype)  # [B, H, g, J, D]
+        sj = product("bhgjd,bhtd->bhgjt", qj, k.astype(dtype))
+        return jnp.sum(sj * ks[:, :, None], axis=-2)
+
+    def pv(p):  # [B, H, g, Tq] -> [B, H, g, D]
         pj = (p[:, :, :, None] * vs[:, :, None]).astype(dtype)  # [B, H, g, J, Tq]
         return jnp.sum(product("bhgjt,bhdt->bhgjd", pj, vt.astype(dtype)) * blocks, axis=-2)
 
-    o, lse = _normalize(s, pv)
-    parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
-    if cache.tail_window:
-        parts.append(tail_attention(qg, cache, layer, m))
-    return merge_partials(parts)
+    return (k_pos, k_chan, scores), (v_pos, v_chan, pv)
 
 
 def _kivi_folded(qg, cache: KiviCache, layer) -> tuple[Array, Array]:
