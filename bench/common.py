@@ -191,21 +191,27 @@ def random_query(key, batch: int, q_heads: int, head_dim: int, dtype=jnp.bfloat1
 # Chains of dependent calls
 
 
-def kivi_chain(calls: int, layers: int, implementation: str = "pallas", tuning=None):
+def kivi_chain(
+    calls: int, layers: int, implementation: str = "pallas", tuning=None, static_layer=False
+):
     """jit(q [B, Hq, D], cache) -> q after `calls` dependent `kivi_jax.decode_attention` calls,
     straight-line: call i reads layer i % layers with the query q + CHAIN_STEP * (previous
     call's output), so no call can start before the previous one ends or be hoisted, merged
     or skipped, and one launch spreads the host's dispatch over `calls` calls. The calls share
     one jitted step with the layer index as an argument (as in a model's layer scan; the
     kernel reads the index itself): the kernel is traced and lowered once, not once per call.
-    `tuning`: the kernel's TuningConfig (None: its own choice)."""
+    `tuning`: the kernel's TuningConfig (None: its own choice). static_layer: the index a
+    Python int instead, as a model's unrolled layer loop passes it (what a cache made with
+    `per_layer` reads without a switch over its layers); traced once per distinct layer."""
     step = jax.jit(
-        functools.partial(kivi_jax.decode_attention, implementation=implementation, tuning=tuning)
+        functools.partial(kivi_jax.decode_attention, implementation=implementation, tuning=tuning),
+        static_argnums=(2,) if static_layer else (),
     )
+    index = (lambda i: i % layers) if static_layer else (lambda i: jnp.int32(i % layers))
 
     def run(q, cache):
         for i in range(calls):
-            q = q + CHAIN_STEP * step(q, cache, jnp.int32(i % layers))
+            q = q + CHAIN_STEP * step(q, cache, index(i))
         return q
 
     return jax.jit(run)

@@ -89,9 +89,11 @@ def filled_cache(
     knobs=None,
 ):
     """A cache with capacity context + steps whose rows hold `context` (zero) tokens
-    (`per_layer`: a dense cache with a buffer per layer, as `generate` makes for per-layer
-    weights; `knobs`: new_cache's sinks / rotation / layer_overrides for a quantized one)."""
-    kw = dict(per_layer=per_layer) if name == "fp16" else dict(group_size=group_size, **knobs or {})
+    (`per_layer`: as `generate` makes it for per-layer weights, `kivi_jax.make_cache`;
+    `knobs`: new_cache's sinks / rotation / layer_overrides for a quantized one)."""
+    kw = dict(per_layer=per_layer)
+    if name != "fp16":
+        kw.update(group_size=group_size, **knobs or {})
     c = G.new_cache(
         name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
     )

@@ -30,10 +30,11 @@ baseline masks the same lengths) and the bytes are the rows' own. With --sinks N
 positions are attended from their buffer beside the kernel (which skips them) and merged; with
 --rotate q is rotated before the call and the output after: both
 inside the timed call, as `decode_attention` runs them (docs/formats.md). With --formats the
-cells are float-format caches (`kivi_jax.make_cache(NAME, group_size=G)`, random bf16 K/V of
-std 1 prefilled, T quantized tokens and R in the windows) read by `implementation="auto"`
-(on a GPU their "xla" path: the kernel does not read them), the bytes those of one layer of
-the cache.
+cells are float-format caches (`kivi_jax.make_cache(NAME, group_size=G, per_layer=True)`,
+random bf16 K/V of std 1 prefilled, T quantized tokens and R in the windows) read by
+`implementation="auto"` (on a GPU their "xla" path: the kernel does not read them) with the
+layer index a Python int, as a model's unrolled layers pass it; the bytes those of one layer
+of the cache.
 
 Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_chain_*.json:
 rows plus an `env` block with the date, GPU, driver, versions and
@@ -133,14 +134,16 @@ def _timed_row(
     baseline_impl,
     masked,
     fields,
+    static_layer=False,
 ) -> dict:
-    """The cache's chain (`layers` distinct layers, `nbytes` read per call) and the baseline's
-    chain (`dense`: its K/V per layer and dtype), alternating; the results row."""
+    """The cache's chain (`layers` distinct layers, `nbytes` read per call; `static_layer`:
+    `common.kivi_chain`'s) and the baseline's chain (`dense`: its K/V per layer and dtype),
+    alternating; the results row."""
     q = common.random_query(jax.random.key(1), batch, hq, HEAD_DIM)
     kvs, dense_dtype = dense
     qd = q[:, None].astype(dense_dtype)
     lengths = cache.lengths
-    kernel = common.kivi_chain(calls, layers, kernel_impl)
+    kernel = common.kivi_chain(calls, layers, kernel_impl, static_layer=static_layer)
     baseline = common.dense_chain(calls, baseline_impl, masked)
     times, first = common.alternate(
         {"kernel": lambda: kernel(q, cache), "baseline": lambda: baseline(qd, kvs, lengths)}, rounds
@@ -182,8 +185,9 @@ def _timed_row(
 
 
 def format_cache(name, group, *, layers, batch, tokens, residual, lengths, sinks, rotation):
-    """A float-format cache (`kivi_jax.make_cache(name)`) whose rows hold `lengths` tokens:
-    random bf16 K/V of std 1, the same in every layer, prefilled."""
+    """A float-format cache (`kivi_jax.make_cache(name, per_layer=True)`, as a model with
+    per-layer weights makes it) whose rows hold `lengths` tokens: random bf16 K/V of std 1,
+    the same in every layer, prefilled."""
     t = tokens + residual
     cache = kivi_jax.make_cache(
         name,
@@ -196,6 +200,7 @@ def format_cache(name, group, *, layers, batch, tokens, residual, lengths, sinks
         residual_length=residual,
         sinks=sinks,
         rotation=rotation,
+        per_layer=True,
     )
     shape = (batch, KV_HEADS, t, HEAD_DIM)
 
@@ -242,14 +247,25 @@ def measure_format(
     )
     fields = dict(
         format=name,
-        key_bits=cache.config.key_bits,
-        value_bits=cache.config.value_bits,
+        key_bits=config.key_bits,
+        value_bits=config.value_bits,
         G=g,
         sinks=sinks,
         rotation=rotation,
         ragged=ragged,
     )
-    return _timed_row(cache, layers, layer_bytes, batch, quantized, dense, fields=fields, **timing)
+    # the layer a Python int, as a model's unrolled layers pass it to a per-layer cache
+    return _timed_row(
+        cache,
+        layers,
+        layer_bytes,
+        batch,
+        quantized,
+        dense,
+        fields=fields,
+        static_layer=True,
+        **timing,
+    )
 
 
 def grid(

@@ -43,7 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from kivi_jax.cache import DenseCache, KiviCache, QuantizedStore, check_layer, runtime_layer
+from kivi_jax.cache import (
+    DenseCache,
+    KiviCache,
+    QuantizedStore,
+    check_layer,
+    read_by_gemms,
+    runtime_layer,
+)
 from kivi_jax.mixed import MixedCache
 from kivi_jax.quant import to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import mask_logits as _mask_logits
@@ -225,8 +232,9 @@ def _dense_cudnn(q: Array, cache: DenseCache, layer, scale: float) -> Array:
 def dense_path(q: Array, cache: DenseCache) -> str:
     """The path "auto" takes on a dense cache: "cudnn" (GPU, 16-bit q and cache) or "xla"; where
     cuDNN declines the shapes at trace time "auto" still falls back to "xla"."""
-    gpu = jax.default_backend() == "gpu"
-    return "cudnn" if gpu and cache.dtype in _SIXTEEN_BIT and q.dtype in _SIXTEEN_BIT else "xla"
+    return (
+        "cudnn" if on_gpu() and cache.dtype in _SIXTEEN_BIT and q.dtype in _SIXTEEN_BIT else "xla"
+    )
 
 
 def _dense(q, qg, cache: DenseCache, layer, impl: str, scale: float) -> Array:
@@ -341,8 +349,7 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     product = functools.partial(
         jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
     )
-    fp8 = cache.keys.fmt == cache.values.fmt == "fp8" and not cache.config.sinks
-    products = _fp8_products if fp8 else _dequantized_products
+    products = _fp8_products if read_by_gemms(cache.config) else _dequantized_products
     (k_pos, k_chan, scores), (v_pos, v_chan, pv) = products(cache, layer, dtype, product)
     m = cache.quantized_split()
     # scores in the keys' slot order, against q in their channel order; V^T's slots are stored
@@ -523,6 +530,12 @@ def _settled(o, lse, interpret):
     return o, lse
 
 
+def on_gpu() -> bool:
+    """True when jax's default backend is a GPU: where "auto" takes cuDNN for dense caches and
+    XLA's GEMMs for the float formats (a deviceless compile for a GPU target sets it)."""
+    return jax.default_backend() == "gpu"
+
+
 def pallas_available() -> bool:
     """True when running on a Hopper (sm_90) GPU, where the Mosaic GPU kernel compiles."""
     try:
@@ -635,7 +648,7 @@ def decode_attention(
             o, _ = kernel()
         except NotImplementedError:
             o, _ = _kivi_reference(qg, cache, layer)
-    elif impl == "auto" and jax.default_backend() == "gpu":
+    elif impl == "auto" and on_gpu():
         try:  # where the kernel does not apply: the float formats through XLA's GEMMs
             o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
         except NotImplementedError:
@@ -702,7 +715,7 @@ def _cudnn_with_lse(q, k, v, scale, **kw) -> tuple[Array, Array]:
     """cuDNN's fused attention of q [B, C, Hq, D] over k, v [B, T, Hkv, D] (16-bit) with its
     log-sum-exp -> (o float32 [B, C, Hq, D], lse [B, C, Hq]). Raises NotImplementedError
     where cuDNN declines at trace time (no GPU or cuDNN, a head dim or dtype it rejects)."""
-    if jax.default_backend() != "gpu" or q.dtype not in _SIXTEEN_BIT:
+    if not on_gpu() or q.dtype not in _SIXTEEN_BIT:
         raise NotImplementedError("cuDNN attention needs a GPU and 16-bit inputs")
     try:
         o, lse = jax.nn.dot_product_attention(

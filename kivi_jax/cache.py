@@ -360,15 +360,18 @@ class QuantizedStore:
 
     def _add_codes(self, layer, b, rows, vals) -> Array:
         """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
-        (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`)."""
+        (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`). 8-bit codes
+        fill their byte and are set: an add would first read the old byte (one more launch)."""
+
+        def put(at, x):
+            return at.set(x, mode="drop") if self.bits == 8 else at.add(x, mode="drop")
+
         if self.blocked:  # a token row is a byte column of V^T, in blocks of 64 columns
             col = swapped_byte(rows)
-            return self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK].add(
-                vals, mode="drop"
-            )
+            return put(self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK], vals)
         if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
-            return self.codes.at[layer, b, :, :, swapped_byte(rows)].add(vals, mode="drop")
-        return self.codes.at[layer, b, :, rows, :].add(swap_bytes(vals, -1), mode="drop")
+            return put(self.codes.at[layer, b, :, :, swapped_byte(rows)], vals)
+        return put(self.codes.at[layer, b, :, rows, :], swap_bytes(vals, -1))
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
         if self.axis == "channel":
@@ -1422,6 +1425,13 @@ DENSE_NAMES = ("fp16",)
 CACHE_NAMES = DENSE_NAMES + tuple(_NAMED)
 
 
+def read_by_gemms(config: KiviConfig) -> bool:
+    """Whether XLA's attention path reads stores of `config` as they lie, through GEMMs: fp8
+    keys and values without sinks (`QuantizedStore.fp8_slots`; the other formats are
+    dequantized by a fusion, which reads a layer's slice in place)."""
+    return config.key_format == config.value_format == "fp8" and not config.sinks
+
+
 def cache_config(
     name: str,
     group_size: int | None = None,
@@ -1487,12 +1497,16 @@ def make_cache(
     layer_overrides=(),
 ) -> KiviCache | DenseCache | MixedCache:
     """An empty cache by name: "fp16" is the dense cache in `dtype` (`per_layer`: one buffer per
-    layer, DenseCache's docstring), the others KIVI variants (whose stacked stores the kernel
-    reads in place: `per_layer` does not apply to them), with `group_size`, `sinks`,
+    layer, DenseCache's docstring), the others KIVI variants with `group_size`, `sinks`,
     `rotation`, `outlier_channels` and `pre_rope` as `cache_config` takes them;
     `rope_frequencies` as `KiviCache.init` takes them (the model's: what pre_rope needs).
     layer_overrides: (layers, KiviConfig fields) pairs (`kivi_jax.mixed.layer_configs`)
-    changing the named config in those layers: a `kivi_jax.MixedCache` (KIVI names only)."""
+    changing the named config in those layers: a `kivi_jax.MixedCache` (KIVI names only).
+    per_layer, for a quantized cache: where a layer's config is one that XLA reads through
+    GEMMs over its stored elements (`read_by_gemms`), a MixedCache of one part per layer, so
+    that the GEMMs read each layer's stores in place instead of a copy of their slice (the
+    layer index must then be concrete to avoid a switch over the layers, as in an unrolled
+    layer loop); otherwise stacked stores, which the kernel reads in place at any index."""
     config = cache_config(
         name,
         group_size,
@@ -1514,10 +1528,11 @@ def make_cache(
         if layer_overrides:
             raise ValueError(f"the dense {name!r} cache takes no layer overrides")
         return DenseCache.init(**dims, per_layer=per_layer)
-    if layer_overrides:
-        from kivi_jax.mixed import MixedCache, layer_configs
+    from kivi_jax.mixed import MixedCache, layer_configs
 
-        configs = layer_configs(config, num_layers, layer_overrides)
-        del dims["num_layers"]
-        return MixedCache.init(configs, **dims, rope_frequencies=rope_frequencies)
-    return KiviCache.init(config, **dims, rope_frequencies=rope_frequencies)
+    configs = layer_configs(config, num_layers, layer_overrides)
+    split = per_layer and any(map(read_by_gemms, configs))
+    if not (layer_overrides or split):
+        return KiviCache.init(config, **dims, rope_frequencies=rope_frequencies)
+    del dims["num_layers"]
+    return MixedCache.init(configs, **dims, rope_frequencies=rope_frequencies, per_layer=split)

@@ -133,16 +133,24 @@ class MixedCache:
         max_len: int,
         dtype=jnp.bfloat16,
         rope_frequencies=None,
+        per_layer: bool = False,
     ) -> MixedCache:
         """An empty cache of len(configs) layers, layer l in configs[l]; the other arguments
-        as `KiviCache.init` takes them (rope_frequencies: what pre-RoPE configs need)."""
+        as `KiviCache.init` takes them (rope_frequencies: what pre-RoPE configs need).
+        per_layer: one part per layer, even where layers share a config. A part's stores are
+        then whole arrays, which XLA's GEMMs read where they lie; a layer of a stacked store
+        is a slice, which XLA copies out before a GEMM reads it (what the float formats'
+        products read, `kivi_jax.make_cache`)."""
         configs = tuple(configs)
         if not configs or not all(isinstance(c, KiviConfig) for c in configs):
             raise ValueError("configs must be a non-empty sequence of KiviConfig, one per layer")
-        distinct = list(dict.fromkeys(configs))
-        groups = tuple(
-            tuple(i for i, c in enumerate(configs) if c == config) for config in distinct
-        )
+        if per_layer:
+            distinct, groups = list(configs), tuple((i,) for i in range(len(configs)))
+        else:
+            distinct = list(dict.fromkeys(configs))
+            groups = tuple(
+                tuple(i for i, c in enumerate(configs) if c == config) for config in distinct
+            )
         dims = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len)
         parts = tuple(
             KiviCache.init(

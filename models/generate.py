@@ -307,12 +307,24 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
             )
 
 
+# A quantized cache that XLA reads through GEMMs (fp8, `kivi_jax.cache.read_by_gemms`) holds a
+# part per layer only where a layer's K and V are this many elements or more: a stacked store's
+# layer is copied out before its GEMMs read it, a cost that grows with the layer's bytes, while
+# the parts add launches of their own (their per-step quantization, ~15 per layer) that do not,
+# and take twice as long to compile. docs/formats.md has the measured crossover.
+PER_LAYER_MIN_ELEMENTS = 100_000_000
+
+
 def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, **kw):
-    """An empty cache for `config`; kw: group_size, residual_length, per_layer (a dense cache
-    with one buffer per layer, for per-layer weights: `decode_layout`), sinks, rotation,
+    """An empty cache for `config`; kw: group_size, residual_length, per_layer (for per-layer
+    weights, `decode_layout`: a dense cache with one buffer per layer, an fp8 one with a part
+    per layer where its layers are large, `PER_LAYER_MIN_ELEMENTS`), sinks, rotation,
     outlier_channels, pre_rope (the model's RoPE frequencies go with it), layer_overrides
     ((layers, KiviConfig fields) pairs: a `kivi_jax.MixedCache`). For a
     Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
+    if kw.get("per_layer") and cache not in kivi_jax.DENSE_NAMES:
+        elements = 2 * batch * max_len * config.num_kv_heads * config.head_dim
+        kw["per_layer"] = elements >= PER_LAYER_MIN_ELEMENTS
     if isinstance(config, gemma3.Gemma3Config):
         if kw.get("layer_overrides"):
             raise NotImplementedError(

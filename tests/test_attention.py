@@ -192,6 +192,39 @@ def test_per_layer_dense_cache_equals_the_stacked_one():
         jax.jit(lambda c, l: kj.decode_attention(q, c, l))(per_layer, jnp.int32(1))
 
 
+def test_per_layer_fp8_cache_holds_a_part_per_layer_and_attends_the_same():
+    """per_layer on a cache that XLA reads through GEMMs (fp8 without sinks): one part per
+    layer, whose stores are whole arrays; the same bits stored and attended as the stacked
+    cache. Caches the kernel reads (kivi2) or that XLA dequantizes (fp8 with sinks, nvfp4)
+    stay stacked."""
+    q, k, v = _inputs(5, 2, 2, 8, 40)
+    lengths = jnp.array([40, 9], jnp.int32)
+    tok = jax.random.normal(jax.random.key(6), (2, 2, D))
+    dims = dict(num_layers=L, batch=2, kv_heads=2, head_dim=D, max_len=64, group_size=16)
+    dims["residual_length"] = 16
+    caches = [
+        kj.make_cache("fp8", **dims, per_layer=p).prefill(k, v, lengths).advance()
+        for p in (False, True)
+    ]
+    stacked, split = (c.write(1, tok, 2 * tok) for c in caches)
+    assert isinstance(stacked, kj.KiviCache)
+    assert isinstance(split, kj.MixedCache) and split.groups == ((0,), (1,))
+    assert all(p.num_layers == 1 and p.config == stacked.config for p in split.parts)
+    for layer in range(L):
+        part = split.parts[layer]
+        for a, b in zip(jax.tree.leaves(part.keys), jax.tree.leaves(stacked.keys), strict=True):
+            np.testing.assert_array_equal(a[0], b[layer])
+        for impl in ("xla", "reference"):
+            np.testing.assert_array_equal(
+                attend(q, split, layer, implementation=impl),
+                attend(q, stacked, layer, implementation=impl),
+            )
+    assert split.nbytes().codes == stacked.nbytes().codes
+    for name, knobs in (("kivi2", {}), ("fp8", dict(sinks=4)), ("nvfp4", {})):
+        c = kj.make_cache(name, **dims, per_layer=True, **knobs)
+        assert isinstance(c, kj.KiviCache), name
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may apply on a GPU")
 def test_dense_cudnn_declines_without_a_gpu_and_auto_falls_back_to_xla():
     q, c = _dense_case(jnp.bfloat16)

@@ -261,22 +261,22 @@ def test_fuse_projections_joins_the_matrices_of_one_input(tiny_params):
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "fused"])
-@pytest.mark.parametrize("cache_name", ["fp16", "fp16-per-layer", "kivi2"])
+@pytest.mark.parametrize("cache_name", ["fp16", "fp16-per-layer", "kivi2", "fp8-per-layer"])
 def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name, layout):
     """The unrolled loop over per-layer weights (projections fused or not) is the same model
     as the scan: prefill logits and cache, then decode steps through a short KIVI window (so
-    quantized groups are read). fp16-per-layer: the unrolled loop over a dense cache with one
-    buffer per layer."""
+    quantized groups are read). -per-layer: the unrolled loop over a cache with one buffer
+    (dense) or one part (fp8) per layer."""
     cfg, B, S, P = TINY, 2, 40, 30
     split = llama.fuse_projections if layout == "fused" else llama.unstack_layers
     un = split(tiny_params)
     toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
-    kw = dict(group_size=16, residual_length=16) if cache_name == "kivi2" else {}
     name = cache_name.removesuffix("-per-layer")
+    kw = dict(group_size=16, residual_length=16) if name != "fp16" else {}
     outs = []
     for p in (tiny_params, un):
         if p is un and cache_name.endswith("per-layer"):
-            kw = dict(per_layer=True)
+            kw = dict(kw, per_layer=True)
         lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(name, cfg, B, 64, **kw))
         steps = [lg]
         for t in range(P, S):
@@ -286,9 +286,13 @@ def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name, layout
     (a, ca), (b, cb) = outs
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(a).max()) > 0.1
-    if cache_name.endswith("per-layer"):  # compare in the stacked form
+    if cache_name == "fp16-per-layer":  # compare in the stacked form
         assert cb.per_layer and not ca.per_layer
         ca, cb = (ca.k, ca.v, ca.lengths), (cb.k, cb.v, cb.lengths)
+    elif cache_name == "fp8-per-layer":  # layer i of the stacked stores is part i's
+        assert len(cb.parts) == cfg.num_layers
+        ca = [jax.tree.map(lambda x, i=i: x[i], (ca.keys, ca.values)) for i in range(len(cb.parts))]
+        cb = [jax.tree.map(lambda x: x[0], (p.keys, p.values)) for p in cb.parts]
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-5)
 
@@ -416,3 +420,19 @@ def test_second_prompt_in_bucket_compiles_nothing(tiny_params):
     assert again.compile_seconds == 0.0
     G.generate(tiny_params, cfg, [[1] * 20], cache="kivi4", max_new_tokens=9)  # bucket 32
     assert G.compiled_programs() > n_programs
+
+
+def test_per_layer_fp8_cache_only_where_its_layers_are_large():
+    """new_cache with per_layer: a dense cache always has a buffer per layer; an fp8 one a part
+    per layer only from PER_LAYER_MIN_ELEMENTS elements of K and V per layer (a stacked
+    layer's copy grows with it, the parts' own launches do not); a kernel-read cache never."""
+    cfg = get_preset("llama-3-8b")
+    per_row = 2 * cfg.num_kv_heads * cfg.head_dim  # K and V elements per token and layer
+    rows = -(-G.PER_LAYER_MIN_ELEMENTS // (per_row * 4096))  # the fewest rows of 4k at the bound
+    make = lambda name, b: jax.eval_shape(
+        lambda: G.new_cache(name, cfg, b, 4096, jnp.bfloat16, per_layer=True, group_size=64)
+    )
+    assert isinstance(make("fp8", rows), kivi_jax.MixedCache)
+    assert isinstance(make("fp8", rows - 1), kivi_jax.KiviCache)
+    assert isinstance(make("kivi2", 4 * rows), kivi_jax.KiviCache)
+    assert make("fp16", 1).per_layer
