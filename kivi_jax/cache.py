@@ -361,7 +361,7 @@ class QuantizedStore:
     def _add_codes(self, layer, b, rows, vals) -> Array:
         """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
         (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`). 8-bit codes
-        fill their byte and are set: an add would first read the old byte (one more launch)."""
+        fill their byte and are set (an add reads the old byte first)."""
 
         def put(at, x):
             return at.set(x, mode="drop") if self.bits == 8 else at.add(x, mode="drop")
