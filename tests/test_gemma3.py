@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from gemma3_helpers import TINY, tiny_params
 
+import kivi_jax
 from models import gemma3 as g
 from models import llama
 from models.gguf_loader import GGUFError
@@ -427,3 +428,15 @@ def test_270m_truncated_file_is_rejected(gemma270m, tmp_path):
         dst.write(src.read(1 << 20))
     with pytest.raises(GGUFError, match="truncated or corrupted"):
         load_gemma3_gguf(cut)
+
+
+def test_fp8_global_cache_held_per_layer_decodes_as_stacked():
+    """An fp8 global cache with a part per layer (`per_layer`, what new_cache asks for where the
+    layers are large) decodes the same logits as the stacked one."""
+    kw = dict(group_size=16, residual_length=0, layout=llama.fuse_projections)
+    a = _decode_vs_forward(TINY, "fp8", [7, 3], 6, tol=0.1, impl="xla", **kw)
+    b = _decode_vs_forward(TINY, "fp8", [7, 3], 6, tol=0.1, impl="xla", per_layer=True, **kw)
+    assert a == b
+    c = g.Gemma3Cache.init("fp8", TINY, batch=2, max_len=64, per_layer=True, group_size=16)
+    assert isinstance(c.global_cache, kivi_jax.MixedCache)
+    assert len(c.global_cache.parts) == len(TINY.global_layers) > 1
