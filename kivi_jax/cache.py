@@ -440,26 +440,54 @@ class QuantizedStore:
         return dataclasses.replace(store, residual=residual, sink=sink)
 
     def _flush_token(self, pos, valid, origin):
-        nl, nb, _, w, _ = self.window_tokens().shape
+        nl, nb = self.residual.shape[:2]
         b = jnp.arange(nb)
-        if self.transposed:
-            out_x = self.residual[:, b, :, :, pos % w]  # [B, L, H, D]
-        else:
-            out_x = self.residual[:, b, :, pos % w]
-        out_x = out_x.transpose(1, 0, 2, 3)  # [L, B, H, D]
         # The leaving tokens come out of a barrier with the window, and are quantized from
         # there: otherwise XLA fuses their gather into the quantization, which then reads the
         # window itself, unordered with the layers' in-place writes, and with several rows (a
         # gather, not a slice) it copied the whole [L, ...] window twice per step to keep both.
-        residual, out_x = jax.lax.optimization_barrier((self.residual, out_x))
+        residual, out_x = jax.lax.optimization_barrier((self.residual, self._leaving(pos)))
         store = dataclasses.replace(self, residual=residual)
-        local, ok = self._local(pos - w, valid & (pos >= w), origin)
+        local, ok = self._local(pos - self.window, valid & (pos >= self.window), origin)
         store = store._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
         if self.sinks:  # position pos - W, quantized here, is sink pos - W if below N
-            stop = jnp.where(valid & (pos >= w), pos - w + 1, pos - w)
-            sink = self._store_sinks(self.sink, out_x[..., None, :], pos - w, stop)
+            stop = jnp.where(valid & (pos >= self.window), pos - self.window + 1, pos - self.window)
+            sink = self._store_sinks(self.sink, out_x[..., None, :], pos - self.window, stop)
             store = dataclasses.replace(store, sink=sink)
         return store, out_x
+
+    def _leaving(self, pos: Array) -> Array:
+        """The window's tokens at pos - W (slot pos % W) of every layer, [L, B, H, D]."""
+        b, slot = jnp.arange(self.residual.shape[1]), pos % self.window
+        if self.transposed:
+            return self.residual[:, b, :, :, slot].transpose(1, 0, 2, 3)  # from [B, L, H, D]
+        return self.residual[:, b, :, slot].transpose(1, 0, 2, 3)
+
+    @staticmethod
+    def flush_together(stores, pos: Array, valid: Array, origin=0) -> list[QuantizedStore]:
+        """`flush` of stores that differ only in their arrays (the single-layer parts of a
+        per-layer cache, `kivi_jax.MixedCache`): per token and without sinks, the leaving
+        tokens of all of them are quantized in one pass and only stored part by part (a
+        flush of its own is a dozen launches per store). Otherwise each store flushes alone."""
+        first = stores[0]
+        if first.window == 0 or first.axis != "token" or first.sinks:
+            return [s.flush(pos, valid, origin) for s in stores]
+        w, nb = first.window, first.residual.shape[1]
+        residuals, leaving = jax.lax.optimization_barrier(
+            ([s.residual for s in stores], [s._leaving(pos) for s in stores])
+        )
+        local, ok = first._local(pos - w, valid & (pos >= w), origin)
+        at_each = lambda a: jnp.broadcast_to(a, (len(stores), nb))
+        enc = first._encode_tokens(jnp.concatenate(leaving), at_each(local), at_each(ok))
+        out = []
+        for i, (s, r) in enumerate(zip(stores, residuals, strict=True)):
+            # a runtime index: every part's writes are then the same fusions (`runtime_layer`)
+            at = runtime_layer(i)
+            part = [None if a is None else jax.lax.dynamic_slice_in_dim(a, at, 1) for a in enc]
+            s = dataclasses.replace(s, residual=r)
+            out.append(s._store_tokens(0, jnp.arange(nb)[None], *part))
+        residuals, _ = jax.lax.optimization_barrier(([s.residual for s in out], leaving))
+        return [dataclasses.replace(s, residual=r) for s, r in zip(out, residuals, strict=True)]
 
     def _flush_block(self, pos, valid, origin):
         w = self.window
@@ -485,6 +513,11 @@ class QuantizedStore:
     def _put_tokens(self, layer, b, x, pos, valid) -> QuantizedStore:
         """Token axis: quantize tokens x [..., H, D] into positions pos where valid; layer, b,
         pos and valid broadcast to x's leading shape (one token, or one per layer)."""
+        return self._store_tokens(layer, b, *self._encode_tokens(x, pos, valid))
+
+    def _encode_tokens(self, x, pos, valid):
+        """`_put_tokens`' quantization: (code rows, shifted codes [..., H, D], scale slots,
+        scales and side values [..., H, D/G]) of tokens x [..., H, D] at positions pos."""
         *lead, nh, d = x.shape
         g = self.group_size
         codes, scale, aux = formats.encode(
@@ -493,11 +526,15 @@ class QuantizedStore:
         row, shift = token_rows(pos, self.bits)
         row = jnp.where(valid, row, self.packed_len)
         vals = codes.reshape(*lead, nh, d) << shift[..., None, None]
-        store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
         # per-token scales sit in the cache order too (the kernel loads a plane's as one row)
         idx = jnp.where(valid, cache_slot(pos), self.scale.shape[-1])
         per_token = lambda a: None if a is None else a.reshape(*lead, nh, -1)
-        return store._set_scales(layer, b, idx, per_token(scale), per_token(aux))
+        return row, vals, idx, per_token(scale), per_token(aux)
+
+    def _store_tokens(self, layer, b, row, vals, idx, scale, aux) -> QuantizedStore:
+        """`_put_tokens`' writes of `_encode_tokens`' results."""
+        store = dataclasses.replace(self, codes=self._add_codes(layer, b, row, vals))
+        return store._set_scales(layer, b, idx, scale, aux)
 
     def extend(self, x: Array, n: Array, c: Array, origin=0) -> QuantizedStore:
         """Append x [L, B, Hkv, C, D] (in the window's dtype): row b's first c[b] tokens at
@@ -1148,6 +1185,21 @@ class KiviCache(_CacheOps):
         return dataclasses.replace(
             c, keys=c.keys.flush(pos, valid, o), values=c.values.flush(pos, valid, o)
         )
+
+    @staticmethod
+    def advance_together(caches) -> list[KiviCache]:
+        """`advance` of caches of one config and shape holding the same lengths (the
+        single-layer parts of a per-layer cache, `kivi_jax.MixedCache`): their stores flush
+        together (`QuantizedStore.flush_together`)."""
+        moved = [super(KiviCache, c).advance() for c in caches]
+        pos, valid = moved[0]._write_position()
+        o = moved[0]._origin()
+        keys = QuantizedStore.flush_together([c.keys for c in moved], pos, valid, o)
+        values = QuantizedStore.flush_together([c.values for c in moved], pos, valid, o)
+        return [
+            dataclasses.replace(c, keys=k, values=v)
+            for c, k, v in zip(moved, keys, values, strict=True)
+        ]
 
     def write(self, layer, k: Array, v: Array) -> KiviCache:
         """Store the new token k, v [B, Hkv, D] at position lengths - 1 of `layer` (after

@@ -204,7 +204,10 @@ class MixedCache:
         return self._with(p.extend(pk, pv, counts) for p, pk, pv in parts)
 
     def advance(self) -> MixedCache:
-        """Start a decode step in every part (`KiviCache.advance`)."""
+        """Start a decode step in every part (`KiviCache.advance`; parts of one config, a
+        layer each, together: `KiviCache.advance_together`)."""
+        if len(self.parts) > 1 and len(set(self.configs)) == 1 == len(self.groups[0]):
+            return self._with(KiviCache.advance_together(self.parts))
         return self._with(p.advance() for p in self.parts)
 
     def append(self, k: Array, v: Array) -> MixedCache:
