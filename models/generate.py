@@ -310,8 +310,8 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 # A quantized cache that XLA reads through GEMMs (fp8, `kivi_jax.cache.read_by_gemms`) holds a
 # part per layer only where a layer's K and V are this many elements or more: a stacked store's
 # layer is copied out before its GEMMs read it, a cost that grows with the layer's bytes, while
-# the parts add launches of their own (their per-step quantization, ~15 per layer) that do not,
-# and take twice as long to compile. docs/formats.md has the measured crossover.
+# the parts add launches of their own (each part's writes of the token leaving its window, ~6
+# per layer) that do not, and compile longer. docs/formats.md has the measured crossover.
 PER_LAYER_MIN_ELEMENTS = 100_000_000
 
 
