@@ -440,7 +440,7 @@ class QuantizedStore:
         return dataclasses.replace(store, residual=residual, sink=sink)
 
     def _flush_token(self, pos, valid, origin):
-        nl, nb = self.residual.shape[:2]
+        (nl, nb), w = self.residual.shape[:2], self.window
         b = jnp.arange(nb)
         # The leaving tokens come out of a barrier with the window, and are quantized from
         # there: otherwise XLA fuses their gather into the quantization, which then reads the
@@ -448,11 +448,11 @@ class QuantizedStore:
         # gather, not a slice) it copied the whole [L, ...] window twice per step to keep both.
         residual, out_x = jax.lax.optimization_barrier((self.residual, self._leaving(pos)))
         store = dataclasses.replace(self, residual=residual)
-        local, ok = self._local(pos - self.window, valid & (pos >= self.window), origin)
+        local, ok = self._local(pos - w, valid & (pos >= w), origin)
         store = store._put_tokens(jnp.arange(nl)[:, None], b[None], out_x, local[None], ok[None])
         if self.sinks:  # position pos - W, quantized here, is sink pos - W if below N
-            stop = jnp.where(valid & (pos >= self.window), pos - self.window + 1, pos - self.window)
-            sink = self._store_sinks(self.sink, out_x[..., None, :], pos - self.window, stop)
+            stop = jnp.where(valid & (pos >= w), pos - w + 1, pos - w)
+            sink = self._store_sinks(self.sink, out_x[..., None, :], pos - w, stop)
             store = dataclasses.replace(store, sink=sink)
         return store, out_x
 
