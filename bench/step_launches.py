@@ -194,6 +194,8 @@ def main(argv=None) -> int:
         help="instead: seconds to trace, lower and compile the loop at this many layers",
     )
     args = ap.parse_args(argv)
+    from models.presets import get_preset
+
     la, lb = (int(x) for x in args.layers.split(","))
     if not 0 < la < lb:
         raise SystemExit("--layers: two increasing positive counts, e.g. 2,4")
@@ -214,7 +216,9 @@ def main(argv=None) -> int:
             compile_step(name, n, kn, args.group_size, batch=args.batch, context=args.context)
             for n in (la, lb)
         ]
-        store = args.batch * args.context * 8 * 128 // 8  # 2-bit keys of a layer, half of them
+        shape = get_preset("llama-3-8b")  # compile_step's model
+        # half the elements of a layer's 2-bit keys (four codes a byte)
+        store = args.batch * args.context * shape.num_kv_heads * shape.head_dim // 8
         (na, ma), (nb, mb) = (count(step_body(hlo), shape, store) for hlo, shape in hlos)
         ka, kb = (distinct_kernels(hlo) for hlo, _ in hlos)
         per_layer = (nb - na) / (lb - la)
