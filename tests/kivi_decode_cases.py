@@ -654,6 +654,11 @@ GPU_WINDOW_CASES = [
     Case("W128-choose-K2V2-G128-B1", 1, 32, 8, 128, 1024, 2, 2, 128, bf16, (1100,), window=128),
     Case("W128-choose-K2V2-G32-B2", 2, 32, 8, 128, 1024, 2, 2, 32, f16, (1152, 300),
          window=128),
+    # one row up to 8k: 8 splits merged in the cluster instead of 16-32 merged by XLA
+    Case("W128-choose-K2V2-G128-B1-4k", 1, 32, 8, 128, 4096, 2, 2, 128, bf16, (4200,),
+         window=128),
+    Case("W128-choose-K4V4-G128-B1-8k", 1, 64, 8, 128, 8192, 4, 4, 128, f16, (5000,),
+         window=128),
 ]
 
 # Larger launches natively on the GPU (lengths drawn per case: one empty row, one partial last

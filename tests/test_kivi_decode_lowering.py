@@ -32,6 +32,7 @@ from pallas_kernels.kivi_decode import SMEM_LIMIT, choose_tuning
 from pallas_kernels.kivi_decode.config import (
     BIAS_ROWS,
     merge_cluster,
+    merged_splits,
     padded_heads,
     smem_bytes,
     value_channel_order,
@@ -91,12 +92,22 @@ def test_window_gating():
     buffers fit (`windows_fit`), the q prologue in the kernel, and a one-wave launch of one
     warpgroup per block merges its splits there; elsewhere the launch stays as it was and the
     call declines the windows (attended outside the kernel): the four-warpgroup anchor, and
-    long 4-bit launches whose blocks per SM the buffers would halve."""
-    cases = ((2, 1, 1280), (2, 1, 8448), (2, 8, 8448), (2, 8, 131072), (4, 8, 8448), (4, 8, 131328))
+    long 4-bit launches whose blocks per SM the buffers would halve. At one row up to 8k
+    tokens the windows' launch takes 8 splits that its cluster merges (`merged_splits`) where
+    the bare launch leaves 9-33 splits to XLA."""
+    cases = (
+        (2, 1, 1280),
+        (2, 1, 16640),
+        (2, 2, 8448),
+        (2, 8, 8448),
+        (2, 8, 131072),
+        (4, 8, 8448),
+        (4, 8, 131328),
+    )
+    sizes = lambda t: (t.num_splits, t.stages, t.wg_per_block, t.warp_softmax)
     for bits, B, T in cases:
         kw = dict(key_bits=bits, value_bits=bits, group_size=128, q_heads=4)
         bare, win = choose_tuning(B, 8, T, **kw), choose_tuning(B, 8, T, **kw, window=128)
-        sizes = lambda t: (t.num_splits, t.stages, t.wg_per_block, t.warp_softmax)
         assert sizes(win) == sizes(bare)
         size = functools.partial(
             smem_bytes, key_bits=bits, value_bits=bits, group_size=128, padded_heads=8
@@ -107,6 +118,15 @@ def test_window_gating():
         assert win.merge_splits == (bare.merge_splits or (one_wave and win.num_splits <= 8))
     kw = dict(key_bits=2, value_bits=2, group_size=128, q_heads=4)
     assert choose_tuning(1, 8, 1280, **kw, window=128).merge_splits
+    for bits, T in ((2, 2304), (2, 4352), (2, 8448), (4, 4352), (4, 8448)):
+        kw_bits = dict(kw, key_bits=bits, value_bits=bits)
+        bare, win = choose_tuning(1, 8, T, **kw_bits), choose_tuning(1, 8, T, **kw_bits, window=128)
+        assert bare.num_splits > 8 and not bare.merge_splits
+        assert (win.num_splits, win.merge_splits, win.pdl, win.q_prologue) == (8, True, True, True)
+        assert sizes(win)[1:] == sizes(bare)[1:]
+    assert merged_splits(8, 65, 4, 132) == 0  # 16k tokens: 9 steps per split cost more
+    assert merged_splits(16, 33, 5, 132) == 0  # two rows: clusters of 4, 9 steps
+    assert merged_splits(8, 33, 3, 132) == 8
     assert choose_tuning(8, 8, 131072, **kw, window=128) == choose_tuning(8, 8, 131072, **kw)
     four = dict(key_bits=4, value_bits=4, group_size=128, q_heads=4)
     assert choose_tuning(8, 8, 8448, **four, window=128).q_prologue  # short units: taken

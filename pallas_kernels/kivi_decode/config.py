@@ -24,6 +24,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_PADDED_HEADS = 256  # mma.sync / wgmma N limit
 SMEM_LIMIT = 223 * 1024  # H200: 227 KiB per block, less a margin for Mosaic's own scratch
 LONG_UNIT_STEPS = 64  # steps per split from which a unit is throughput-bound (`windows_fit`)
+# What the XLA merge of a launch's splits (two fusions after the kernel) costs, in pipeline
+# steps of a one-row launch (`merged_splits`): at B = 1 a launch of 8 splits merged in its
+# cluster was as fast as 33 merged by XLA at 5 steps per split (T = 8k), faster at 2-3 and
+# slower at 9.
+XLA_MERGE_STEPS = 4
 STEP_TOKENS = CACHE_BLOCK  # tokens per pipeline step: one block of the cache order
 BIAS_ROWS = 16  # key groups per dense_bias block: mma.sync's M
 
@@ -409,7 +414,9 @@ def choose_tuning(
     `window`: residual-window slots the kernel attends too: where their chunk buffers fit
     beside the launch chosen without them, the q prologue runs in the kernel (which reads the
     caller's q for them anyway), and a one-wave launch of one warpgroup per block merges its
-    splits in the kernel; the launch sizes are chosen as without windows.
+    splits in the kernel; the launch sizes are chosen as without windows, except where that
+    launch would leave its splits to XLA and fewer splits merged in the kernel cost less
+    (`merged_splits`: at one row, T <= 8k).
     """
     if max_tokens % STEP_TOKENS:
         raise ValueError(f"max_tokens={max_tokens} is not a multiple of {STEP_TOKENS}")
@@ -487,6 +494,13 @@ def choose_tuning(
         # With the windows in the kernel, a launch of one wave whose rows fit a cluster also
         # merges its splits there: then nothing but the output's transpose runs around it.
         one_wave = wg_per_block == 1 and bh * S <= num_sms and S <= MAX_CLUSTER
+        capped = 0 if fused or one_wave else merged_splits(bh, steps, costs[S], num_sms)
+        if wg_per_block == 1 and capped:
+            fewer = dataclasses.replace(
+                out, num_splits=capped, warp_softmax=-(-steps // capped) >= WSM_MIN_STEPS
+            )
+            if windows_fit(fewer, steps, window, size):
+                out, one_wave = fewer, True
         out = dataclasses.replace(
             out,
             q_prologue=True,
@@ -494,6 +508,18 @@ def choose_tuning(
             pdl=fused or one_wave,
         )
     return out
+
+
+def merged_splits(rows: int, steps: int, cost: float, num_sms: int) -> int:
+    """Splits of a launch of `rows` rows (B * Hkv) x `steps` steps that merges them in the
+    kernel, where that beats `cost` (the chosen launch's waves x (steps per split + 2)) plus
+    the XLA merge it needs (`XLA_MERGE_STEPS`); else 0. The cap: a cluster holds at most
+    MAX_CLUSTER blocks, and a cluster's blocks run in one GPC, so the launch keeps to half the
+    SMs (at B = 2, 16 clusters of 8 ran slower than the XLA merge at 4 bits)."""
+    cap = min(MAX_CLUSTER, num_sms // 2 // rows)
+    if cap < 2:
+        return 0
+    return cap if -(-steps // cap) + 2 <= cost + XLA_MERGE_STEPS else 0
 
 
 def call_tuning(
