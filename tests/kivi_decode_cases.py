@@ -659,6 +659,9 @@ GPU_WINDOW_CASES = [
          window=128),
     Case("W128-choose-K4V4-G128-B1-8k", 1, 64, 8, 128, 8192, 4, 4, 128, f16, (5000,),
          window=128),
+    # SmolLM2's heads (3 kv heads of D = 64, 3 queries each) at G = 32: fold_v_warp's order
+    Case("W128-choose-K2V2-G32-D64-B1-8k", 1, 9, 3, 64, 8192, 2, 2, 32, bf16, (8300,),
+         window=128),
 ]
 
 # Larger launches natively on the GPU (lengths drawn per case: one empty row, one partial last

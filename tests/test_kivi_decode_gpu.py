@@ -68,7 +68,7 @@ def test_gpu_windows_match_reference(case):
     run_case(case, 3, False)
 
 
-ROW_CASES = GPU_WINDOW_CASES[-4:]  # one-wave launches that merge their splits
+ROW_CASES = GPU_WINDOW_CASES[-5:]  # one-wave launches that merge their splits
 
 
 @pytest.mark.parametrize("case", ROW_CASES, ids=ids(ROW_CASES))
