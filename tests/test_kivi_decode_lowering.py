@@ -125,7 +125,7 @@ def test_window_gating():
         assert (win.num_splits, win.merge_splits, win.pdl, win.q_prologue) == (8, True, True, True)
         assert sizes(win)[1:] == sizes(bare)[1:]
     assert merged_splits(8, 65, 4, 132) == 0  # 16k tokens: 9 steps per split cost more
-    assert merged_splits(16, 33, 5, 132) == 0  # two rows: clusters of 4, 9 steps
+    assert merged_splits(16, 17, 4, 132) == 0  # two rows: 16 clusters exceed half the SMs
     assert merged_splits(8, 33, 3, 132) == 8
     assert choose_tuning(8, 8, 131072, **kw, window=128) == choose_tuning(8, 8, 131072, **kw)
     four = dict(key_bits=4, value_bits=4, group_size=128, q_heads=4)

@@ -511,15 +511,15 @@ def choose_tuning(
 
 
 def merged_splits(rows: int, steps: int, cost: float, num_sms: int) -> int:
-    """Splits of a launch of `rows` rows (B * Hkv) x `steps` steps that merges them in the
-    kernel, where that beats `cost` (the chosen launch's waves x (steps per split + 2)) plus
-    the XLA merge it needs (`XLA_MERGE_STEPS`); else 0. The cap: a cluster holds at most
-    MAX_CLUSTER blocks, and a cluster's blocks run in one GPC, so the launch keeps to half the
-    SMs (at B = 2, 16 clusters of 8 ran slower than the XLA merge at 4 bits)."""
-    cap = min(MAX_CLUSTER, num_sms // 2 // rows)
-    if cap < 2:
+    """MAX_CLUSTER splits for a launch of `rows` rows (B * Hkv) x `steps` steps that merges
+    them in the kernel, where that beats `cost` (the chosen launch's waves x (steps per split
+    + 2)) plus the XLA merge it needs (`XLA_MERGE_STEPS`); else 0. Only where the rows' full
+    clusters keep to half the SMs (a cluster's blocks run in one GPC; at B = 2, 16 clusters of
+    8 ran slower than the XLA merge at 4 bits): one row at Hkv = 8. Smaller clusters with
+    longer splits were not timed."""
+    if rows * MAX_CLUSTER > num_sms // 2:
         return 0
-    return cap if -(-steps // cap) + 2 <= cost + XLA_MERGE_STEPS else 0
+    return MAX_CLUSTER if -(-steps // MAX_CLUSTER) + 2 <= cost + XLA_MERGE_STEPS else 0
 
 
 def call_tuning(
