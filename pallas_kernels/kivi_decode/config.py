@@ -445,10 +445,7 @@ def choose_tuning(
     costs = {S: -(-bh * S // slots) * (-(-steps // S) + 2) for S in range(1, min(steps, 64) + 1)}
     best = min(costs.values())
     S = max(S for S, c in costs.items() if c <= 1.02 * best)
-    # The per-warp softmax repays its epilogue (the warps' merge) over many steps per split,
-    # and only with one warpgroup per block (with four, its accumulators exceed the register
-    # cap's room).
-    wsm = wg_per_block == 1 and -(-steps // S) >= WSM_MIN_STEPS
+    wsm = warp_softmax_pays(wg_per_block, steps, S)
     # Two planes per tile at 2 bits (4-bit launches keep the per-warp softmax, which excludes
     # it); the slots' mbarrier pays only with four warpgroups and unpacked planes; the copies
     # spread over the warps with three.
@@ -494,10 +491,10 @@ def choose_tuning(
         # With the windows in the kernel, a launch of one wave whose rows fit a cluster also
         # merges its splits there: then nothing but the output's transpose runs around it.
         one_wave = wg_per_block == 1 and bh * S <= num_sms and S <= MAX_CLUSTER
-        capped = 0 if fused or one_wave else merged_splits(bh, steps, costs[S], num_sms)
-        if wg_per_block == 1 and capped:
+        capped = wg_per_block == 1 and not one_wave and merged_splits(bh, steps, costs[S], num_sms)
+        if capped:
             fewer = dataclasses.replace(
-                out, num_splits=capped, warp_softmax=-(-steps // capped) >= WSM_MIN_STEPS
+                out, num_splits=capped, warp_softmax=warp_softmax_pays(1, steps, capped)
             )
             if windows_fit(fewer, steps, window, size):
                 out, one_wave = fewer, True
@@ -508,6 +505,13 @@ def choose_tuning(
             pdl=fused or one_wave,
         )
     return out
+
+
+def warp_softmax_pays(wg_per_block: int, steps: int, splits: int) -> bool:
+    """The per-warp softmax repays its epilogue (the warps' merge) over many steps per split,
+    and only with one warpgroup per block (with four, its accumulators exceed the register
+    cap's room)."""
+    return wg_per_block == 1 and -(-steps // splits) >= WSM_MIN_STEPS
 
 
 def merged_splits(rows: int, steps: int, cost: float, num_sms: int) -> int:
