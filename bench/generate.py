@@ -324,7 +324,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         params = llama.init_params(config, jax.random.key(0), dtype)
         if not args.stacked:
-            params = G.decode_layout(params)  # what generate() and the CLI decode with
+            params = G.decode_layout(params, config)  # what generate() and the CLI decode with
         jax.block_until_ready(params)
         weights = weight_bytes_per_step(params)
         print(

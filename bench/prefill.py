@@ -139,7 +139,7 @@ def main(argv=None):
         group_size=args.group_size,
         runs=[],
     )
-    params = G.decode_layout(llama.init_params(config, jax.random.key(0), dtype))
+    params = G.decode_layout(llama.init_params(config, jax.random.key(0), dtype), config)
     jax.block_until_ready(params)
     plan = [(c, args.chunk) for c in args.caches.split(",")]
     if args.one_piece:

@@ -120,7 +120,7 @@ def compile_step(
     config = dataclasses.replace(get_preset("llama-3-8b"), num_layers=layers)
     dtype, steps = jnp.bfloat16, 64
     params = jax.eval_shape(
-        lambda: llama.fuse_projections(llama.init_params(config, jax.random.key(0), dtype))
+        lambda: llama.decode_params(llama.init_params(config, jax.random.key(0), dtype))
     )
     cache = jax.eval_shape(
         lambda: bench_generate.filled_cache(

@@ -168,7 +168,7 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     config = bg.TINY if a.tiny else get_preset(a.model)
     group_size = a.group_size or (32 if a.tiny else 128)
-    params = G.decode_layout(llama.init_params(config, jax.random.key(0), jnp.bfloat16))
+    params = G.decode_layout(llama.init_params(config, jax.random.key(0), jnp.bfloat16), config)
     points = [tuple(int(v) for v in p.split("x")) for p in a.points.split(",") if p]
     rows = []
     for batch, context in points:

@@ -156,7 +156,7 @@ def generate(
         )
     if tok is None:
         checks.fail(f"--model {model} has no tokenizer (tokenizer.json)")
-    params = gen.decode_layout(params)  # rebinding frees the stacked weights on GPUs
+    params = gen.decode_layout(params, config)  # rebinding frees the stacked weights on GPUs
     load_s = time.perf_counter() - t0
     # Gemma 3 270M as packaged is the base model: its GGUF has no chat template, and raw text
     # is what it takes. Any other model without one keeps the error naming --no-chat-template.

@@ -50,7 +50,7 @@ from jax import Array
 
 import kivi_jax
 from kivi_jax import decode_attention, rotation
-from models.llama import projections
+from models.llama import fuse_projections, projections
 
 Params = dict
 static = dict(static=True)
@@ -270,6 +270,13 @@ def check_params(params: Params, config: Gemma3Config) -> None:
                 f"param {jax.tree_util.keystr(p)} has shape {tuple(got_flat[p].shape)}, "
                 f"expected {sd.shape} for {config.name}"
             )
+
+
+def decode_params(params: Params) -> Params:
+    """The layout to decode with on GPUs: the projections of one input fused
+    (`models.llama.fuse_projections`). Its norms are not folded (`models.llama.fold_norms`
+    knows Llama's plain weights; Gemma's multiply by 1 + w, and q/k norms follow the GEMM)."""
+    return fuse_projections(params)
 
 
 # ---------------------------------------------------------------------------------------------

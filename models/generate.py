@@ -452,18 +452,20 @@ def _sharded_programs(
     )
 
 
-def decode_layout(params):
-    """The params layout to decode with on this backend.
+def decode_layout(params, config):
+    """The params layout to decode `config`'s model with on this backend.
 
-    GPUs: per-layer weights, read in place by each GEMM (a scan over stacked weights copies
-    every layer's slices first: Llama-3-8B, 14.5 -> 7.7 ms per step at batch 1), with the
-    projections of one input joined (`llama.fuse_projections`: three GEMMs per layer instead
-    of six). CPUs: the stacked scan, which compiles 8x faster (SmolLM2: 2.7 s against 21.7 s)
-    for a decode step 30% slower. Returns params unchanged when nothing changes; a per-layer
-    copy otherwise (drop the old params to get their memory back, as the CLI does).
+    GPUs: the model module's `decode_params`: per-layer weights, read in place by each GEMM (a
+    scan over stacked weights copies every layer's slices first: Llama-3-8B, 14.5 -> 7.7 ms
+    per step at batch 1), with the projections of one input joined (`llama.fuse_projections`:
+    three GEMMs per layer instead of six) and, for the Llama family, the RMSNorm weights folded
+    into them (`llama.fold_norms`: two launches per layer fewer). CPUs: the stacked scan, which
+    compiles 8x faster (SmolLM2: 2.7 s against 21.7 s) for a decode step 30% slower. Returns
+    params unchanged when nothing changes; new per-layer buffers otherwise (drop the old
+    params to get their memory back, as the CLI does).
     """
     if jax.default_backend() == "gpu":
-        return llama.fuse_projections(params)
+        return model_module(config).decode_params(params)
     return params
 
 
@@ -498,7 +500,7 @@ def generate(
     `kivi_jax.MixedCache`; Llama family, one device). Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
-    pass `decode_layout(params)` to skip that copy on repeated calls.
+    pass `decode_layout(params, config)` to skip that copy on repeated calls.
 
     mesh (a `jax.sharding.Mesh` with a "seq" axis, optionally "data"): a KIVI cache's token
     axes split over "seq" and attended and written where the tokens are
@@ -533,7 +535,7 @@ def generate(
         )
     if prefill_chunk is not None:
         prefill_program(config, prefill_chunk, implementation)  # NotImplementedError for Gemma
-    params = decode_layout(params)
+    params = decode_layout(params, config)
     check_token_ids(prompts, config)
     n_prompts = len(prompts)
     if mesh is not None:
@@ -656,7 +658,7 @@ def stream(
 
     Same programs per bucket as `generate`, but one jitted step per token, driven from Python.
     """
-    params = decode_layout(params)
+    params = decode_layout(params, config)
     tokens, lengths = make_prompt_batch([prompt])
     check_token_ids([prompt], config)
     max_len = tokens.shape[1] + bucket(max_new_tokens)

@@ -16,8 +16,10 @@ stacked on a leading L axis so the layer loop is one `lax.scan` and compiles onc
 `unstack_layers` turns `layers` into a tuple of L per-layer dicts (the same arrays without the
 L axis); `forward` and `decode_step` then run the layers as an unrolled Python loop.
 `fuse_projections` also joins the matrices that read the same input: wq|wk|wv as
-wqkv [d, (Hq + 2 Hkv) D] (biases bqkv) and w_gate|w_up as w_gate_up [d, 2F]; every function
-here takes either form. Per-layer fused weights are the layout to decode with on GPUs
+wqkv [d, (Hq + 2 Hkv) D] (biases bqkv) and w_gate|w_up as w_gate_up [d, 2F]; `fold_norms`
+then folds the RMSNorm weights attn_norm / mlp_norm into the rows of those two matrices and
+drops them. Every function here takes any of these forms. Per-layer fused weights with the
+norms folded (`decode_params`) are the layout to decode with on GPUs
 (`models.generate.decode_layout`): inside a scan each layer's weights are a dynamic slice of
 the stacked arrays, and XLA copies every slice before its GEMM, so a decode step moves the
 weights through memory three times (docs/generation.md: a Llama-3-8B step at batch 1 takes
@@ -187,6 +189,44 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": tuple(out)}
 
 
+# The RMSNorm weight whose output each fused matrix reads (`fold_norms`).
+NORM_OF = {"wqkv": "attn_norm", "w_gate_up": "mlp_norm"}
+
+
+def fold_norms(params: Params) -> Params:
+    """Fused per-layer params (`fuse_projections`, applied first) with each RMSNorm weight
+    folded into the rows of the matrix that reads its output: wqkv <- diag(attn_norm) wqkv,
+    w_gate_up <- diag(mlp_norm) w_gate_up (`NORM_OF`), in float32 and rounded once to the
+    matrix's dtype; the norm weights are dropped. `normed_projections` then multiplies the
+    residual stream itself and scales the float32 outputs by 1 / rms(x).
+
+    Why: rms_norm(x) is a fusion of its own before each GEMM (a reduction, then h written
+    out for the GEMM to read); folded, the GEMM reads x and the 1 / rms scale fuses into the
+    ops that read the GEMM's output (RoPE, SiLU), two launches per layer fewer in a decode
+    step. The sums differ from `rms_norm`'s by roundings of the model dtype: rms_norm rounds
+    x / rms and then g x / rms to it, the fold rounds g W once.
+
+    A no-op where the norms are already folded. The final norm stays (the lm_head may be the
+    tied embedding table). Returns new per-layer buffers for the folded matrices."""
+    params = fuse_projections(params)
+    layers = params["layers"]
+    if not any(norm in layers[0] for norm in NORM_OF.values()):
+        return params
+    fold = jax.jit(lambda w, g: (g.astype(jnp.float32)[:, None] * w).astype(w.dtype))
+    out = []
+    for lp in layers:
+        folded = {name: fold(lp[name], lp[norm]) for name, norm in NORM_OF.items()}
+        kept = {k: v for k, v in lp.items() if k not in NORM_OF.values()}
+        out.append({**kept, **folded})
+    return {**params, "layers": tuple(out)}
+
+
+def decode_params(params: Params) -> Params:
+    """The Llama layout to decode with on GPUs: per-layer weights, the projections of one input
+    fused (`fuse_projections`), the norms folded into them (`fold_norms`)."""
+    return fold_norms(params)
+
+
 def _split(x: Array, widths: tuple[int, ...]) -> list[Array]:
     """x [..., sum(widths)] -> the pieces of those widths along the last axis."""
     return jnp.split(x, np.cumsum(widths)[:-1].tolist(), axis=-1)
@@ -198,6 +238,19 @@ def projections(lp: Params, h: Array, fused: str, widths: tuple[int, ...]) -> li
     if fused in lp:
         return _split(_dense(h, lp[fused]), widths)
     return [_dense(h, lp[p]) for p in FUSED[fused]]
+
+
+def normed_projections(
+    lp: Params, x: Array, fused: str, widths: tuple[int, ...], eps: float
+) -> list[Array]:
+    """rms_norm(x) times each matrix of FUSED[fused] (float32 [..., width] each), x [..., d]
+    the residual stream: through the norm weight NORM_OF[fused] where lp has it, else (norms
+    folded, `fold_norms`) the GEMM of x itself with its outputs scaled by 1 / rms(x)."""
+    norm = NORM_OF[fused]
+    if norm in lp:
+        return projections(lp, rms_norm(x, lp[norm], eps), fused, widths)
+    inv = _inv_rms(x, eps)
+    return [y * inv for y in projections(lp, x, fused, widths)]
 
 
 def _biases(lp: Params, widths: tuple[int, ...]) -> list[Array]:
@@ -235,10 +288,15 @@ def _run_layers(layer, carry, layers):
 # Building blocks.
 
 
+def _inv_rms(x: Array, eps: float) -> Array:
+    """1 / rms(x) over the last axis, float32 [..., 1]."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """RMSNorm in float32, cast back to x.dtype before the weight (as HF Llama does)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = x.astype(jnp.float32) * _inv_rms(x, eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
@@ -275,24 +333,25 @@ def _dense(x: Array, w: Array) -> Array:
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _qkv(lp: Params, h: Array, config: ModelConfig, positions: Array):
-    """q [..., Hq, D], k/v [..., Hkv, D] for normed hidden states h [..., d], RoPE applied."""
+def _qkv(lp: Params, x: Array, config: ModelConfig, positions: Array):
+    """q [..., Hq, D], k/v [..., Hkv, D] of the residual stream x [..., d] (attention-normed
+    here), RoPE applied."""
     c = config
     widths = (c.num_heads * c.head_dim,) + (c.num_kv_heads * c.head_dim,) * 2
-    q, k, v = projections(lp, h, "wqkv", widths)
+    q, k, v = normed_projections(lp, x, "wqkv", widths, c.rms_norm_eps)
     if c.qkv_bias:
         bq, bk, bv = _biases(lp, widths)
         q, k, v = q + bq, k + bk, v + bv
-    dt = h.dtype
-    q = q.astype(dt).reshape(*h.shape[:-1], c.num_heads, c.head_dim)
-    k = k.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
-    v = v.astype(dt).reshape(*h.shape[:-1], c.num_kv_heads, c.head_dim)
+    dt = x.dtype
+    q = q.astype(dt).reshape(*x.shape[:-1], c.num_heads, c.head_dim)
+    k = k.astype(dt).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
+    v = v.astype(dt).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
     return apply_rope(q, positions, c), apply_rope(k, positions, c), v
 
 
 def _mlp(lp: Params, x: Array, config: ModelConfig) -> Array:
-    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    gate, up = projections(lp, h, "w_gate_up", (config.intermediate_size,) * 2)
+    widths = (config.intermediate_size,) * 2
+    gate, up = normed_projections(lp, x, "w_gate_up", widths, config.rms_norm_eps)
     act = (jax.nn.silu(gate) * up).astype(x.dtype)
     return x + _dense(act, lp["w_down"]).astype(x.dtype)
 
@@ -361,8 +420,7 @@ def forward(
     lengths = lengths.astype(jnp.int32)
 
     def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = _qkv(lp, h, c, positions)  # [B, S, H, D]
+        q, k, v = _qkv(lp, x, c, positions)  # [B, S, H, D]
         ka, va = k, v
         if kv_transform is not None:
             kt, vt = kv_transform(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
@@ -417,8 +475,7 @@ def _chunk_hidden(params, config, tokens, counts, cache, implementation):
 
     def layer(x, xs):
         lp, l = xs
-        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = _qkv(lp, h, c, positions)  # [B, C, H, D]
+        q, k, v = _qkv(lp, x, c, positions)  # [B, C, H, D]
         k, v = k.astype(cache.dtype), v.astype(cache.dtype)
         o = chunk_attention(q, k, v, counts, cache, l, implementation=implementation)
         x = x + _dense(o.reshape(B, C, -1), lp["wo"]).astype(dtype)
@@ -536,8 +593,7 @@ def decode_step(
     def layer(carry, xs):
         x, cache = carry
         lp, l = xs
-        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = _qkv(lp, h, c, positions)  # [B, H, D]
+        q, k, v = _qkv(lp, x, c, positions)  # [B, H, D]
         cache = cache.write(l, k.astype(cache.dtype), v.astype(cache.dtype))
         o = decode_attention(q, cache, l, implementation=implementation)
         x = x + _dense(o.reshape(B, -1), lp["wo"]).astype(dtype)
@@ -568,8 +624,8 @@ class Llama(nnx.Module):
     `Llama(config, rngs=nnx.Rngs(0))` initializes randomly; `Llama.from_params(config, p)` wraps
     loaded weights. `model.params()` gives the pure dict that `prefill`/`decode_step` take.
     Its own `decode_step` scans the stacked weights; a decode loop on a GPU should take
-    `models.generate.decode_layout(model.params())` once and call `decode_step` with that
-    (per-layer weights: module docstring), as `generate` does.
+    `models.generate.decode_layout(model.params(), model.config)` once and call `decode_step`
+    with that (per-layer weights: module docstring), as `generate` does.
     """
 
     def __init__(

@@ -115,9 +115,17 @@ def test_dense_decode_equals_forward_ragged_past_window():
     _decode_vs_forward(TINY, "fp16", [7, 3], 12, tol=2e-5)
 
 
-def test_fused_projections_compute_the_same_model():
-    """Per-layer weights with q|k|v and gate|up joined (the decode layout on GPUs)."""
-    _decode_vs_forward(TINY, "fp16", [7, 3], 6, tol=2e-5, layout=llama.fuse_projections)
+def test_fused_projections_compute_the_same_model(monkeypatch):
+    """Per-layer weights with q|k|v and gate|up joined: the decode layout on GPUs, which keeps
+    Gemma's norms where a Llama's are folded into the GEMMs."""
+    from models import generate
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    layout = lambda p: generate.decode_layout(p, TINY)
+    lp = layout(tiny_params(TINY))["layers"][0]
+    assert {"wqkv", "w_gate_up", "attn_norm", "mlp_norm"} <= set(lp) and "wq" not in lp
+    monkeypatch.undo()
+    _decode_vs_forward(TINY, "fp16", [7, 3], 6, tol=2e-5, layout=layout)
 
 
 @pytest.mark.parametrize("impl", ["reference", "folded"])

@@ -104,7 +104,7 @@ def _load(model: str, dtype: str, as_json: bool, allow_unused: bool, need_tokeni
     )
     if tokenizer is None and need_tokenizer:
         raise ValueError(f"--model {model} has no tokenizer (tokenizer.json)")
-    return config, decode_layout(params), tokenizer
+    return config, decode_layout(params, config), tokenizer
 
 
 @eval_app.command("ppl")
