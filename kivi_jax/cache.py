@@ -60,6 +60,7 @@ from kivi_jax.quant import (
 )
 
 static = dict(static=True)
+WHOLE = slice(None)  # a whole axis, in the index tuples of `put_dropped`
 BLOCK_TOKENS = 256  # quantized capacity is a multiple of this (a block of the cache order)
 
 
@@ -127,6 +128,41 @@ def runtime_layer(layer) -> Array:
     compiles once, where a constant index makes each layer's fusions kernels of their own and
     the compile time grows with the layers."""
     return jax.lax.optimization_barrier(jnp.asarray(layer, jnp.int32))
+
+
+def put_dropped(buf: Array, index: tuple, x: Array, add: bool = False) -> Array:
+    """`buf.at[index].set(x, mode="drop")` (`add`: `.add`), one token per row, where index
+    holds per leading axis of buf an int or scalar, a [B] array (one position per row) or
+    slice(None); an index out of bounds drops that row's write, negative ones wrap.
+
+    With one row (every array entry of size 1) it is a dynamic_update_slice of a select
+    against the old slice, which XLA fuses with x's producer into one launch that writes in
+    place; the scatter it stands for is two (its bounds check reads the old slice in a fusion
+    of its own), twice per layer in a decode step at batch 1. Several rows: the scatter."""
+    entries = [i if isinstance(i, slice) else jnp.asarray(i) for i in index]
+    one_row = all(
+        (isinstance(i, slice) and i == slice(None)) or (not isinstance(i, slice) and i.size == 1)
+        for i in entries
+    )
+    if not one_row:
+        at = buf.at[index]
+        return at.add(x, mode="drop") if add else at.set(x, mode="drop")
+    entries += [slice(None)] * (buf.ndim - len(entries))
+    starts, sizes, inside = [], [], jnp.bool_(True)
+    for i, n in zip(entries, buf.shape, strict=True):
+        if isinstance(i, slice):
+            starts.append(0)
+            sizes.append(n)
+            continue
+        i = i.reshape(()).astype(jnp.int32)
+        i = jnp.where(i < 0, i + n, i)
+        inside &= (i >= 0) & (i < n)
+        starts.append(i)
+        sizes.append(1)
+    old = jax.lax.dynamic_slice(buf, starts, sizes)
+    new = x.reshape(sizes).astype(buf.dtype)
+    new = old + new if add else new
+    return jax.lax.dynamic_update_slice(buf, jnp.where(inside, new, old), starts)
 
 
 def token_rows(t: Array, bits: int) -> tuple[Array, Array]:
@@ -363,28 +399,25 @@ class QuantizedStore:
         (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`). 8-bit codes
         fill their byte and are set (an add reads the old byte first)."""
 
-        def put(at, x):
-            return at.set(x, mode="drop") if self.bits == 8 else at.add(x, mode="drop")
-
+        put = lambda index, x: put_dropped(self.codes, index, x, add=self.bits != 8)
         if self.blocked:  # a token row is a byte column of V^T, in blocks of 64 columns
             col = swapped_byte(rows)
-            return put(self.codes.at[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK], vals)
+            return put((layer, b, WHOLE, col // CODE_BLOCK, WHOLE, col % CODE_BLOCK), vals)
         if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
-            return put(self.codes.at[layer, b, :, :, swapped_byte(rows)], vals)
-        return put(self.codes.at[layer, b, :, rows, :], swap_bytes(vals, -1))
+            return put((layer, b, WHOLE, WHOLE, swapped_byte(rows)), vals)
+        return put((layer, b, WHOLE, rows, WHOLE), swap_bytes(vals, -1))
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
-        if self.axis == "channel":
-            at = lambda a: a.at[layer, b, :, idx, :]
-        else:
-            at = lambda a: a.at[layer, b, :, :, idx]
+        index = (layer, b, WHOLE, idx, WHOLE)
+        if self.axis != "channel":
+            index = (layer, b, WHOLE, WHOLE, idx)
         return dataclasses.replace(
             self,
-            scale=at(self.scale).set(scale.astype(self.scale.dtype), mode="drop"),
+            scale=put_dropped(self.scale, index, scale.astype(self.scale.dtype)),
             minimum=(
                 None
                 if self.minimum is None
-                else at(self.minimum).set(mn.astype(self.minimum.dtype), mode="drop")
+                else put_dropped(self.minimum, index, mn.astype(self.minimum.dtype))
             ),
         )
 
@@ -408,8 +441,8 @@ class QuantizedStore:
             store = dataclasses.replace(self, sink=self.sink.at[layer].set(layer_sink))
         if w:
             slot = jnp.where(valid, pos % w, w)
-            idx = (layer, b, slice(None)) + ((slice(None), slot) if self.transposed else (slot,))
-            res = self.residual.at[idx].set(x.astype(self.residual.dtype), mode="drop")
+            idx = (layer, b, WHOLE) + ((WHOLE, slot) if self.transposed else (slot,))
+            res = put_dropped(self.residual, idx, x.astype(self.residual.dtype))
             return dataclasses.replace(store, residual=res)
         return store._put_tokens(layer, b, x, *self._local(pos, valid, origin))
 
@@ -1412,11 +1445,11 @@ class DenseCache(_CacheOps):
         if self.per_layer:
             i = self._static_layer(layer)
             put = lambda bufs, x: tuple(
-                buf.at[b, pos].set(x.astype(buf.dtype), mode="drop") if j == i else buf
+                put_dropped(buf, (b, pos), x.astype(buf.dtype)) if j == i else buf
                 for j, buf in enumerate(bufs)
             )
         else:
-            put = lambda buf, x: buf.at[layer, b, pos].set(x.astype(buf.dtype), mode="drop")
+            put = lambda buf, x: put_dropped(buf, (layer, b, pos), x.astype(buf.dtype))
         return dataclasses.replace(self, k_seq=put(self.k_seq, k), v_seq=put(self.v_seq, v))
 
     def nbytes(self) -> CacheBytes:

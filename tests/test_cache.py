@@ -341,6 +341,59 @@ def test_overflow_inside_jit_drops_tokens_and_flags_the_row(name):
         err.throw()
 
 
+@pytest.mark.parametrize("name", ["kivi2", "kivi4", "fp16", "fp8"])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_one_row_past_capacity_keeps_its_cache_inside_jit(name, per_layer):
+    """One row takes the one-row write (`put_dropped`'s dynamic_update_slice) in every store:
+    past capacity it changes nothing but the length, as the scatter of several rows does;
+    below capacity the token lands."""
+    kw = dict(num_layers=L, batch=1, kv_heads=H, head_dim=D, max_len=40, dtype=jnp.float32)
+    c = kj.make_cache(name, per_layer=per_layer, residual_length=32, **kw)
+    k, v = _random_kv(3, 1, 40)
+
+    def step(c, k, v):  # a decode step's writes: each layer's index a Python int
+        c = c.advance()
+        for layer in range(L):
+            c = c.write(layer, k[layer], v[layer])
+        return c
+
+    step = jax.jit(step)
+    tok = jnp.full((L, 1, H, D), 7.0)
+    full = c.prefill(k, v, jnp.array([40], jnp.int32))
+    after = step(full, tok, tok)
+    np.testing.assert_array_equal(after.overflowed, [True])
+    stored = lambda c: [x for x in jax.tree.leaves(c) if x.dtype != jnp.int32 or x.ndim > 1]
+    for x, y in zip(stored(full), stored(after), strict=True):  # all but the lengths
+        np.testing.assert_array_equal(x, y)
+    short = c.prefill(k[..., :10, :], v[..., :10, :], jnp.array([10], jnp.int32))
+    q = jax.random.normal(jax.random.key(0), (1, H, D))
+    o = [
+        kj.decode_attention(q, x, 1, implementation="reference")
+        for x in (short, step(short, tok, tok))
+    ]
+    assert not np.allclose(o[0], o[1])
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_put_dropped_one_row_equals_the_scatter(add):
+    """The one-row path against `.at[index].set/add(x, mode="drop")`: in-bounds, negative
+    (wrapped) and out-of-bounds positions, on the index forms the stores use."""
+    buf = jax.random.randint(jax.random.key(1), (3, 1, 4, 6, 5), 0, 50).astype(jnp.int32)
+    x = jax.random.randint(jax.random.key(2), (1, 4, 5), 0, 50).astype(jnp.int32)
+    xt = jax.random.randint(jax.random.key(3), (1, 4, 6), 0, 50).astype(jnp.int32)
+    b, W = jnp.arange(1), slice(None)
+    cases = [((1, b, W, jnp.array([2])), x), ((-1, b, W, jnp.array([5])), x)]
+    cases += [((jnp.int32(2), b, W, jnp.array([6])), x), ((0, b, W, jnp.array([-2])), x)]
+    cases += [((jnp.int32(3), b, W, jnp.array([0])), x), ((2, b, W, W, jnp.array([4])), xt)]
+    cases += [((2, b, W, W, jnp.array([9])), xt)]
+    for index, val in cases:
+        at = buf.at[index]
+        want = at.add(val, mode="drop") if add else at.set(val, mode="drop")
+        got = jax.jit(lambda buf, val, index=index: kj.cache.put_dropped(buf, index, val, add))
+        np.testing.assert_array_equal(got(buf, val), want, err_msg=str(index))
+    assert not np.array_equal(kj.cache.put_dropped(buf, cases[0][0], x, add), buf)
+
+
 def test_bad_shapes_and_dtypes_raise_naming_the_argument():
     cfg = kj.KiviConfig()
     with pytest.raises(ValueError, match="head_dim"):
