@@ -274,6 +274,35 @@ def _norms_around_one(params):
     return jax.tree.unflatten(treedef, out)
 
 
+def _stacked_and(other, stacked, cfg, cache_name):
+    """((logits, cache), (logits, cache)) of the stacked params and of `other` (a layout of
+    the same model; its cache one buffer or part per layer where cache_name ends in
+    -per-layer): two rows prefilled with 30 and 23 tokens, then 10 decode steps through a
+    short KIVI window (so quantized groups are read); logits [11, B, V]."""
+    B, S, P = 2, 40, 30
+    toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
+    name = cache_name.removesuffix("-per-layer")
+    kw = dict(group_size=16, residual_length=16) if name != "fp16" else {}
+    outs = []
+    for p in (stacked, other):
+        pkw = dict(kw, per_layer=True) if p is other and cache_name.endswith("per-layer") else kw
+        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(name, cfg, B, 64, **pkw))
+        steps = [lg]
+        for t in range(P, S):
+            lg, c = decode_step(p, cfg, toks[:, t], c)
+            steps.append(lg)
+        outs.append((jnp.stack(steps), c))
+    return outs
+
+
+def _fp8_parts_stacked(stacked, parts):
+    """The stores of a stacked fp8 cache and of its per-layer twin as matching lists: layer i
+    of the stacked stores is part i's."""
+    n = len(parts.parts)
+    a = [jax.tree.map(lambda x, i=i: x[i], (stacked.keys, stacked.values)) for i in range(n)]
+    return a, [jax.tree.map(lambda x: x[0], (p.keys, p.values)) for p in parts.parts]
+
+
 def test_fold_norms_scales_the_rows_each_norm_feeds(tiny_params):
     params = _norms_around_one(tiny_params)
     fused, folded = llama.fuse_projections(params), llama.fold_norms(params)
@@ -298,27 +327,12 @@ def test_folded_norms_compute_the_same_model(cache_name, config):
     the stacked scan with the norms applied: prefill and decode logits, and the caches. The
     sums differ by float32 roundings, so a quantized code may land on the next step: that is
     allowed in under 0.1% of the codes, and nowhere else."""
-    cfg, B, S, P = config, 2, 40, 30
-    params = _norms_around_one(llama.init_params(cfg, jax.random.key(0)))
-    folded = llama.decode_params(params)
-    toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
-    name = cache_name.removesuffix("-per-layer")
-    kw = dict(group_size=16, residual_length=16) if name != "fp16" else {}
-    outs = []
-    for p in (params, folded):
-        pkw = dict(kw, per_layer=True) if p is folded and cache_name.endswith("per-layer") else kw
-        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(name, cfg, B, 64, **pkw))
-        steps = [lg]
-        for t in range(P, S):
-            lg, c = decode_step(p, cfg, toks[:, t], c)
-            steps.append(lg)
-        outs.append((jnp.stack(steps), c))
-    (a, ca), (b, cb) = outs
+    params = _norms_around_one(llama.init_params(config, jax.random.key(0)))
+    (a, ca), (b, cb) = _stacked_and(llama.decode_params(params), params, config, cache_name)
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
     assert float(jnp.abs(a).max()) > 0.1
-    if cache_name == "fp8-per-layer":  # layer i of the stacked stores is part i's
-        ca = [jax.tree.map(lambda x, i=i: x[i], (ca.keys, ca.values)) for i in range(len(cb.parts))]
-        cb = [jax.tree.map(lambda x: x[0], (p.keys, p.values)) for p in cb.parts]
+    if cache_name == "fp8-per-layer":
+        ca, cb = _fp8_parts_stacked(ca, cb)
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
         x, y = np.asarray(x), np.asarray(y)
         if np.issubdtype(x.dtype, np.floating):  # values, scales, windows: float32 roundings
@@ -334,32 +348,16 @@ def test_unstacked_layers_compute_the_same_model(tiny_params, cache_name, layout
     as the scan: prefill logits and cache, then decode steps through a short KIVI window (so
     quantized groups are read). -per-layer: the unrolled loop over a cache with one buffer
     (dense) or one part (fp8) per layer."""
-    cfg, B, S, P = TINY, 2, 40, 30
     split = llama.fuse_projections if layout == "fused" else llama.unstack_layers
-    un = split(tiny_params)
-    toks = jax.random.randint(jax.random.key(8), (B, S), 0, cfg.vocab_size)
-    name = cache_name.removesuffix("-per-layer")
-    kw = dict(group_size=16, residual_length=16) if name != "fp16" else {}
-    outs = []
-    for p in (tiny_params, un):
-        if p is un and cache_name.endswith("per-layer"):
-            kw = dict(kw, per_layer=True)
-        lg, c = prefill(p, cfg, toks[:, :P], jnp.array([P, P - 7]), _cache(name, cfg, B, 64, **kw))
-        steps = [lg]
-        for t in range(P, S):
-            lg, c = decode_step(p, cfg, toks[:, t], c)
-            steps.append(lg)
-        outs.append((jnp.stack(steps), c))
-    (a, ca), (b, cb) = outs
+    (a, ca), (b, cb) = _stacked_and(split(tiny_params), tiny_params, TINY, cache_name)
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(a).max()) > 0.1
     if cache_name == "fp16-per-layer":  # compare in the stacked form
         assert cb.per_layer and not ca.per_layer
         ca, cb = (ca.k, ca.v, ca.lengths), (cb.k, cb.v, cb.lengths)
-    elif cache_name == "fp8-per-layer":  # layer i of the stacked stores is part i's
-        assert len(cb.parts) == cfg.num_layers
-        ca = [jax.tree.map(lambda x, i=i: x[i], (ca.keys, ca.values)) for i in range(len(cb.parts))]
-        cb = [jax.tree.map(lambda x: x[0], (p.keys, p.values)) for p in cb.parts]
+    elif cache_name == "fp8-per-layer":
+        assert len(cb.parts) == TINY.num_layers
+        ca, cb = _fp8_parts_stacked(ca, cb)
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-5)
 
