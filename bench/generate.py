@@ -12,7 +12,9 @@ sampling, cache donated) runs `steps` decode steps. A first call with the same s
 `peak_device_bytes` is the process's peak allocation after the point (weights included; it
 never decreases, so a point's own peak needs a process of its own).
 The dense cache attends through --dense-impl; each fp16 record names the path that ran
-(`dense_path`: "cudnn" or "xla"; "auto" takes cuDNN on a GPU for a 16-bit cache).
+(`dense_path`: "cudnn" or "xla"; "auto" takes cuDNN on a GPU for a 16-bit cache). A point
+whose cache would take more than 92% of the device's free memory is recorded with an
+`error` before anything is allocated (`check_fits`).
 
 Largest batch at 32k: predicted with kivi_jax.memory from the device's free memory after the
 weights, then checked by allocating that cache and running decode steps (7/8, 3/4 and half
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -104,6 +107,28 @@ def filled_cache(
     return dataclasses.replace(c, lengths=held())
 
 
+# The share of the device's free memory a point's cache may take; the rest is for the step's
+# activations and XLA's temporaries (the largest-batch prediction keeps to it too).
+CACHE_SHARE = 0.92
+
+
+def check_fits(*fill_args, **fill_kw) -> None:
+    """Raise MemoryError, before anything is allocated, where the cache `filled_cache(*fill_args,
+    **fill_kw)` would make takes more than CACHE_SHARE of the device's free memory: allocated
+    anyway, it leaves XLA's allocator retrying for minutes before it gives up. Nothing to check
+    where the backend reports no memory limit (CPU)."""
+    free = free_bytes()
+    if free is None:
+        return
+    shapes = jax.eval_shape(lambda: filled_cache(*fill_args, **fill_kw))
+    need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    if need > CACHE_SHARE * free:
+        raise MemoryError(
+            f"the cache needs {need / 2**30:.1f} GiB, more than {CACHE_SHARE:.0%} of the "
+            f"{free / 2**30:.1f} GiB free"
+        )
+
+
 def dense_path_of(impl: str, dtype) -> str:
     """The dense attention path `impl` takes for a `dtype` model and cache."""
     if impl != "auto":
@@ -169,7 +194,7 @@ def measure(
 ):
     """(compile+first-run seconds, timed seconds, tokens/s, cache bytes)."""
     t0 = time.perf_counter()
-    fill = lambda: filled_cache(
+    fill_args = (
         cache_name,
         config,
         batch,
@@ -181,6 +206,8 @@ def measure(
         llama.is_unstacked(params),
         knobs,
     )
+    check_fits(*fill_args)
+    fill = lambda: filled_cache(*fill_args)
     c = fill()
     nbytes = c.nbytes().total
     run_loop(params, config, c, steps, impl, max_new=2)  # compiles; max_new is traced
@@ -207,8 +234,7 @@ def max_batch_at(
     if free is None:
         rec["error"] = "device reports no memory limit"
         return rec
-    # Leave 8% of free memory for the step's activations and XLA temporaries.
-    budget = int(free * 0.92)
+    budget = int(free * CACHE_SHARE)
     pred = memory.max_batch(shape, kcfg, budget, tokens=context + 2)
     rec["predicted_batch"] = int(pred)
     if not probe or pred < 1:

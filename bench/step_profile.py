@@ -11,7 +11,8 @@ device events on the compute streams give each kernel's duration; per step: GPU 
 (the sum of kernel durations), kernel launches, the time per kind and the heaviest kernels by
 name. Wall minus busy is what the GPU spent waiting between kernels (launch latency, host
 work). The weights' bytes over the step's time against the H200's 4.8 TB/s is the roofline
-view of batch 1, where the weights dominate.
+view of batch 1, where the weights dominate. A point whose cache cannot fit the device's free
+memory is skipped with an `error` before anything is allocated (`bench.generate.check_fits`).
 
 Not a figure of record (the profiler adds a little per kernel); it answers which kernels to
 remove or speed up. Prints one table per point last and, with --out, writes
@@ -100,7 +101,8 @@ def summarize(kernels: list[dict], steps: int, top: int = 10) -> dict:
 
 
 def profile_point(params, config, cache_name, batch, context, steps, impl, group_size) -> dict:
-    fill = lambda: bg.filled_cache(
+    """The point's step profile; MemoryError (nothing allocated) where its cache cannot fit."""
+    fill_args = (
         cache_name,
         config,
         batch,
@@ -111,6 +113,8 @@ def profile_point(params, config, cache_name, batch, context, steps, impl, group
         group_size,
         llama.is_unstacked(params),
     )
+    bg.check_fits(*fill_args)
+    fill = lambda: bg.filled_cache(*fill_args)
     bg.run_loop(params, config, fill(), steps, impl, max_new=2)  # compiles
     cache = fill()
     jax.block_until_ready(cache)
@@ -173,7 +177,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     for batch, context in points:
         for cache in a.caches.split(","):
-            r = profile_point(params, config, cache, batch, context, a.steps, a.impl, group_size)
+            try:
+                r = profile_point(
+                    params, config, cache, batch, context, a.steps, a.impl, group_size
+                )
+            except MemoryError as e:  # a point too large for the device: say so and go on
+                r = dict(model=config.name, batch=batch, context=context, cache=cache, error=str(e))
             rows.append(r)
             print(json.dumps(r), flush=True)
     if a.out:
@@ -181,7 +190,11 @@ def main(argv=None) -> list[dict]:
         common.write_json(a.out / "step_profile.json", env=env, points=rows)
     print()
     for r in rows:
-        print(table(r))
+        print(
+            table(r)
+            if "error" not in r
+            else f"{r['model']} B={r['batch']} T={r['context']} {r['cache']}: skipped, {r['error']}"
+        )
     return rows
 
 

@@ -339,6 +339,30 @@ def test_generate_tiny_runs_and_writes_its_json(tmp_path):
     assert saved["env"]["command"].startswith("python -m bench.generate --tiny")
 
 
+def test_points_too_large_for_the_device_are_skipped_before_allocating(monkeypatch, tmp_path):
+    """A point whose cache exceeds 92% of the free memory is an error record in bench.generate
+    and bench.step_profile, found from shapes alone (allocated, it would leave XLA's allocator
+    retrying for minutes); with room the same point runs; no limit reported (CPU): no check."""
+    from bench import generate, step_profile
+
+    point = ["--tiny", "--points", "1x64", "--steps", "2"]
+    nbytes = generate.filled_cache("kivi2", generate.TINY, 1, 64, 2, jnp.bfloat16, 128, 32)
+    nbytes = nbytes.nbytes().total
+    monkeypatch.setattr(generate, "free_bytes", lambda: int(nbytes / 0.92) - 1)
+    with pytest.raises(MemoryError, match="GiB free"):
+        generate.check_fits("kivi2", generate.TINY, 1, 64, 2, jnp.bfloat16, 128, 32)
+    res = generate.main([*point, "--caches", "kivi2", "--no-max-batch", "--out", str(tmp_path)])
+    assert res["points"][0]["error"].startswith("MemoryError: the cache needs")
+    rows = step_profile.main([*point, "--caches", "kivi2"])
+    assert "error" in rows[0] and "kinds" not in rows[0]
+    monkeypatch.setattr(generate, "free_bytes", lambda: int(nbytes / 0.92) + 64)
+    generate.check_fits("kivi2", generate.TINY, 1, 64, 2, jnp.bfloat16, 128, 32)
+    res = generate.main([*point, "--caches", "kivi2", "--no-max-batch"])
+    assert res["points"][0]["tokens_per_s"] > 0
+    monkeypatch.setattr(generate, "free_bytes", lambda: None)
+    generate.check_fits("kivi2", generate.TINY, 1, 1 << 20, 2, jnp.bfloat16, 128, 32)
+
+
 def test_generate_takes_cache_knobs_and_layer_overrides():
     """--sinks, --rotate and --layer-override reach the KIVI caches (not the dense one): the
     overridden layer's 4-bit keys and the sinks' buffer add bytes to plain kivi2's, the run
