@@ -363,6 +363,26 @@ def test_points_too_large_for_the_device_are_skipped_before_allocating(monkeypat
     generate.check_fits("kivi2", generate.TINY, 1, 1 << 20, 2, jnp.bfloat16, 128, 32)
 
 
+def test_largest_batch_probe_allocates_its_prediction_unchecked(monkeypatch):
+    """The largest-batch probe tests the memory model's prediction on the device: the shape
+    check of ordinary points (`check_fits`) is not applied to it, so a prediction a hair over
+    the check's share still runs as predicted instead of dropping to 7/8 of it."""
+    from bench import generate
+
+    one = generate.filled_cache("kivi2", generate.TINY, 1, 64, 4, jnp.bfloat16, 128, 32)
+    monkeypatch.setattr(generate, "free_bytes", lambda: int(3 * one.nbytes().total / 0.92))
+
+    def refuse(*_args, **_kw):
+        raise MemoryError("refused")
+
+    monkeypatch.setattr(generate, "check_fits", refuse)
+    params = generate.llama.init_params(generate.TINY, jax.random.key(0), jnp.bfloat16)
+    rec = generate.max_batch_at(
+        params, generate.TINY, "kivi2", 64, jnp.bfloat16, 128, 32, "auto", probe=True
+    )
+    assert rec["batch"] == rec["predicted_batch"] >= 2 and "failed" not in rec, rec
+
+
 def test_generate_takes_cache_knobs_and_layer_overrides():
     """--sinks, --rotate and --layer-override reach the KIVI caches (not the dense one): the
     overridden layer's 4-bit keys and the sinks' buffer add bytes to plain kivi2's, the run
