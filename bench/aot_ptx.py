@@ -4,6 +4,7 @@
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128,2:32 --out /tmp/ptx
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:32 --flags "num_splits=12;stages=3" --out DIR
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128 --window 128 --out DIR  # windows in
+    .venv-aot/bin/python bench/aot_ptx.py --fp8 64 --out DIR  # the fp8 kernel (fp8_64.ptx)
     python -m bench.sass_static /tmp/ptx/*.ptx --nvdisasm ...
 
 The CUDA PJRT plugin compiles for a `GpuTargetConfigProto` (bench/h200_target_config.txtpb)
@@ -24,6 +25,7 @@ docs/performance.md's static step-loop counts (with bench/sass_static.py); no GP
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import math
 import os
@@ -36,6 +38,7 @@ from jax.experimental import topologies
 
 import kivi_jax
 from bench.common import override, parse_kbg
+from pallas_kernels.fp8_decode import fp8_decode
 from pallas_kernels.kivi_decode import choose_tuning, kivi_decode
 
 TARGET = Path(__file__).with_name("h200_target_config.txtpb")
@@ -74,12 +77,7 @@ def compile_ptx(
     window: with residual windows of that many slots attended in the kernel (the launch then
     `choose_tuning`'s at the compile shape, where the windows fit beside the pipelines)."""
 
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
-    topo = topologies.get_topology_desc(
-        "", platform="cuda", target_config=target.read_text(), topology="1x1x1"
-    )
-    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    spec = _topology_spec(target)
     tuning = override(
         choose_tuning(
             BATCH if window else ANCHOR_BATCH,
@@ -109,18 +107,34 @@ def compile_ptx(
         stores, win = arrays[:6], arrays[6:]
         return kivi_decode(q, *stores, nt, layer, windows=win or None, **kw)
 
+    return _dumped_ptx(
+        f,
+        spec(jax.ShapeDtypeStruct((BATCH, hq, head_dim), jnp.bfloat16)),
+        spec(jax.ShapeDtypeStruct((BATCH,), jnp.int32)),
+        spec(jax.ShapeDtypeStruct((), jnp.int32)),
+        *stores,
+        *windows,
+    )
+
+
+def _topology_spec(target: Path):
+    """A ShapeDtypeStruct maker on the compile-only H200 device of `target`."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    topo = topologies.get_topology_desc(
+        "", platform="cuda", target_config=target.read_text(), topology="1x1x1"
+    )
+    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _dumped_ptx(f, *specs) -> str:
+    """The PTX of the one Mosaic GPU kernel in jitted `f`, compiled for `specs`."""
     with tempfile.TemporaryDirectory() as d:
         names = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX")
         old = {k: os.environ.get(k) for k in names}
         os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTX="1")
         try:
-            f.trace(
-                spec(jax.ShapeDtypeStruct((BATCH, hq, head_dim), jnp.bfloat16)),
-                spec(jax.ShapeDtypeStruct((BATCH,), jnp.int32)),
-                spec(jax.ShapeDtypeStruct((), jnp.int32)),
-                *stores,
-                *windows,
-            ).lower().compile()
+            f.trace(*specs).lower().compile()
         finally:
             for k, v in old.items():
                 if v is None:
@@ -134,6 +148,27 @@ def compile_ptx(
                 "installed (bench/aot_setup.sh)?"
             )
         return Path(ptx[0]).read_text()
+
+
+def compile_fp8_ptx(group_size: int, *, hq: int = 32, head_dim: int = 128, target=TARGET) -> str:
+    """The PTX of the fp8 kernel (`pallas_kernels.fp8_decode`) at the anchor's shape (B=8,
+    T=128k, Hkv=8, two layers), its chosen splits."""
+    spec = _topology_spec(target)
+    L, B, T, J = 2, ANCHOR_BATCH, ANCHOR_TOKENS, head_dim // group_size
+    s = lambda shape, dtype: spec(jax.ShapeDtypeStruct(shape, dtype))
+    f = jax.jit(
+        functools.partial(fp8_decode, group_size=group_size, sm_scale=1 / math.sqrt(head_dim))
+    )
+    return _dumped_ptx(
+        f,
+        s((B, hq, head_dim), jnp.bfloat16),
+        s((L, B, KV_HEADS, T, head_dim), jnp.uint8),
+        s((L, B, KV_HEADS, J, T), jnp.float16),
+        s((L, B, KV_HEADS, head_dim, T), jnp.uint8),
+        s((L, B, KV_HEADS, J, T), jnp.float16),
+        s((B,), jnp.int32),
+        s((), jnp.int32),
+    )
 
 
 def ptx_name(key_bits: int, value_bits: int, group_size: int, flags: str, window: int = 0) -> str:
@@ -156,11 +191,19 @@ def main(argv=None) -> list[Path]:
         default="0",
         help="residual-window slots attended in the kernel (0: none); a comma list compiles each",
     )
+    ap.add_argument("--fp8", default="", help="G list: the fp8 kernel's PTX instead (fp8_{G}.ptx)")
     ap.add_argument("--out", required=True, help="directory for the .ptx files")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    if a.fp8:
+        for g in (int(x) for x in a.fp8.split(",")):
+            path = out / f"fp8_{g}.ptx"
+            path.write_text(compile_fp8_ptx(g, hq=a.hq, head_dim=a.D))
+            print(path, flush=True)
+            paths.append(path)
+        return paths
     for kb, vb, g in parse_kbg(a.kbg):
         for flags in a.flags.split(";"):
             for w in (int(x) for x in a.window.split(",")):

@@ -180,7 +180,11 @@ def _timed_row(
         kernel_round_ms=[1e3 * t / calls for t in times["kernel"]],
         baseline_round_ms=[1e3 * t / calls for t in times["baseline"]],
         first_launch_s=first,
-        tuning=kernel_tuning(cache, hq) if kernel_impl.startswith("pallas") else None,
+        tuning=(
+            kernel_tuning(cache, hq)
+            if kernel_impl.startswith("pallas") and "format" not in fields
+            else None
+        ),
     )
 
 
@@ -462,6 +466,12 @@ def main(argv=None) -> int:
         default="",
         help="NAME:G list of float formats (fp8, nvfp4, mxfp4) timed instead of --kbg",
     )
+    ap.add_argument(
+        "--format-impl",
+        default="auto",
+        choices=("auto", "pallas", "xla", "reference"),
+        help="decode_attention's implementation for --formats (auto: the fp8 kernel on Hopper)",
+    )
     ap.add_argument("--json", default=None, help="results file (rows and an env block)")
     a = ap.parse_args(argv)
     knobs = dict(sinks=a.sinks, rotation=a.rotate)
@@ -479,7 +489,7 @@ def main(argv=None) -> int:
     if a.anchor:
         a.batches, a.tokens, a.kbg = ANCHOR["batches"], ANCHOR["tokens"], ANCHOR["kbg"]
     formats = parse_formats(a.formats)
-    kernel_impl = "auto" if formats else "pallas"
+    kernel_impl = a.format_impl if formats else "pallas"
     impls = dict(kernel_impl=kernel_impl, baseline_impl="cudnn", dense_dtype=jnp.float16)
     if a.dry_run:
         for name, value in DRY_RUN.items():

@@ -6,8 +6,10 @@ implementation:
                q per token group and the value scale into p per token, minimums become biases;
                the residual tail is attended separately and the two merged by log-sum-exp.
                Agrees with "reference" to float32 rounding.
-  "pallas"     the fused Mosaic GPU kernel (Hopper); raises NotImplementedError where it does
-               not apply. `interpret=True` runs it under the GPU interpreter on any backend.
+  "pallas"     the fused Mosaic GPU kernels (Hopper): KIVI's integer caches
+               (`pallas_kernels.kivi_decode`) and fp8 caches without sinks, post-RoPE
+               (`pallas_kernels.fp8_decode`); raises NotImplementedError where they do not
+               apply. `interpret=True` runs them under the GPU interpreter on any backend.
   "xla"        dense caches: XLA attention reading K/V in the cache dtype with float32
                accumulation (multiply-and-reduce; reads each layer of the cache in place).
                KIVI caches whose keys and values are both per token (the float formats fp8,
@@ -21,8 +23,8 @@ implementation:
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
                implementation="cudnn"); raises NotImplementedError where it does not apply
                (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
-  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes, supported shapes), else on
-               a GPU "xla" where it applies, else "reference". On a dense cache: "cudnn" on
+  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes or fp8, supported shapes),
+               else on a GPU "xla" where it applies, else "reference". On a dense cache: "cudnn" on
                a GPU for a 16-bit cache, else (or where cuDNN declines) "xla" ("reference"
                converts K/V to float32 first).
                `dense_path` names the one that applies.
@@ -354,14 +356,20 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     m = cache.quantized_split()
     # scores in the keys' slot order, against q in their channel order; V^T's slots are stored
     # in another order: the scores follow it (both are permutations of the same slots)
-    s = scores(jnp.take(qg, k_chan, axis=-1))
+    s = scores(_permuted(qg, k_chan))
     s = _mask_logits(s, (k_pos[None, :] < m[:, None])[:, None, None, :])
-    s = jnp.take(s, np.argsort(k_pos)[v_pos], axis=-1)
+    s = _permuted(s, np.argsort(k_pos)[v_pos])
     o, lse = _normalize(s, pv)
-    parts = [(jnp.take(o, np.argsort(v_chan), axis=-1), lse)]
+    parts = [(_permuted(o, np.argsort(v_chan)), lse)]
     if cache.tail_window:  # no windows: everything held is quantized
         parts.append(tail_attention(qg, cache, layer, m))
     return merge_partials(parts)
+
+
+def _permuted(x: Array, order: np.ndarray) -> Array:
+    """x's last axis taken in `order` (a permutation): no gather where it is the identity
+    (fp8's 8-bit rows are stored in order)."""
+    return x if np.array_equal(order, np.arange(order.size)) else jnp.take(x, order, axis=-1)
 
 
 def _dequantized_products(cache: KiviCache, layer, dtype, product):
@@ -426,7 +434,19 @@ def kernel_on_cache(
     `out_dtype`, lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the
     cache's windows too, num_tokens being the rows' lengths, capped at the cache's max_len).
     `sinks`: attend the cache's sinks from their buffers too (those below the quantized split;
-    the kernel's `sinks`)."""
+    the kernel's `sinks`). An fp8 cache (`KiviConfig.fp8_kernel_layout`) runs
+    `pallas_kernels.fp8_decode`, which takes neither windows nor sinks."""
+    if cache.config.fp8_kernel_layout:
+        if windows is not None or sinks:
+            raise NotImplementedError("the fp8 kernel attends the quantized slots only")
+        return tuple(
+            x.astype(dt)
+            for x, dt in zip(
+                _fp8_kernel(q, cache, layer, num_tokens, scale, interpret),
+                (out_dtype, jnp.float32),
+                strict=True,
+            )
+        )
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
@@ -456,6 +476,33 @@ def kernel_on_cache(
     )
 
 
+def _fp8_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret):
+    """`pallas_kernels.fp8_decode.fp8_decode` over an fp8 cache's stores: (o [B, Hq, D], lse
+    [B, Hq]) float32 of positions [0, num_tokens); NotImplementedError for shapes it does not
+    take (head dims, query heads per kv head)."""
+    from pallas_kernels import fp8_decode as kernel
+
+    d, group = q.shape[-1], q.shape[1] // cache.kv_heads
+    if d not in kernel.SUPPORTED_HEAD_DIMS or group > kernel.MAX_GROUP_HEADS:
+        raise NotImplementedError(
+            f"the fp8 kernel takes head dims {kernel.SUPPORTED_HEAD_DIMS} and at most "
+            f"{kernel.MAX_GROUP_HEADS} query heads per kv head, got D={d}, {group}"
+        )
+    k, v = cache.keys, cache.values
+    return kernel.fp8_decode(
+        q,
+        k.codes,
+        k.scale,
+        v.codes,
+        v.scale,
+        num_tokens,
+        layer,
+        group_size=cache.config.group_size,
+        sm_scale=scale,
+        interpret=interpret,
+    )
+
+
 def _kivi_pallas(
     qg,
     q,
@@ -474,10 +521,11 @@ def _kivi_pallas(
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
-    if not cache.config.kernel_layout:
+    if not (cache.config.kernel_layout or cache.config.fp8_kernel_layout):
         raise NotImplementedError(
-            "the Pallas kernel needs KIVI axes (channel keys, token values), integer codes and "
-            f"no outlier channels, got {cache.config}"
+            "the Pallas kernels need KIVI axes (channel keys, token values), integer codes and "
+            "no outlier channels, or fp8 keys and values without sinks; all post-RoPE; got "
+            f"{cache.config}"
         )
     if not interpret and not pallas_available():
         raise NotImplementedError(
@@ -546,15 +594,16 @@ def pallas_available() -> bool:
 
 
 def _kernel_applies(q: Array, cache: KiviCache) -> bool:
-    """Whether "auto" should try the Pallas kernel: a Hopper GPU, KIVI axes, 16-bit q and
-    fp16 scales (what the kernel reads); finer limits raise NotImplementedError there."""
-    return (
-        pallas_available()
-        and cache.config.kernel_layout
-        and (cache.seq_axis is None or not cache.config.sinks)
-        and cache.config.scale_dtype == "float16"
-        and q.dtype in _SIXTEEN_BIT
+    """Whether "auto" should try a Pallas kernel: a Hopper GPU, a 16-bit q, and KIVI axes with
+    fp16 scales (what the integer kernel reads) or an fp8 cache (`fp8_kernel_layout`); finer
+    limits raise NotImplementedError there."""
+    config = cache.config
+    integer = (
+        config.kernel_layout
+        and (cache.seq_axis is None or not config.sinks)
+        and config.scale_dtype == "float16"
     )
+    return pallas_available() and q.dtype in _SIXTEEN_BIT and (integer or config.fp8_kernel_layout)
 
 
 def _check_scale(scale, head_dim: int) -> float:
@@ -642,16 +691,20 @@ def decode_attention(
         o, _ = _kivi_folded(qg, cache, layer)
     elif impl == "pallas":
         o, _ = kernel()
-    elif impl == "auto" and _kernel_applies(q, cache):
-        # tokamax-style dispatch: a kernel that declines a case at trace time falls back.
-        try:
-            o, _ = kernel()
-        except NotImplementedError:
-            o, _ = _kivi_reference(qg, cache, layer)
-    elif impl == "auto" and on_gpu():
-        try:  # where the kernel does not apply: the float formats through XLA's GEMMs
-            o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
-        except NotImplementedError:
+    elif impl == "auto":
+        o = None
+        if _kernel_applies(q, cache):
+            # tokamax-style dispatch: a kernel that declines a case at trace time falls back.
+            try:
+                o, _ = kernel()
+            except NotImplementedError:
+                pass
+        if o is None and on_gpu():
+            try:  # where no kernel applies: the float formats through XLA's GEMMs
+                o, _ = _kivi_xla(qg, cache, layer, _product_dtype(q))
+            except NotImplementedError:
+                pass
+        if o is None:
             o, _ = _kivi_reference(qg, cache, layer)
     else:
         o, _ = _kivi_reference(qg, cache, layer)

@@ -50,9 +50,9 @@ from kivi_jax.quant import (
     outlier_channels,
     overlay_outliers,
     pack_tokens,
-    swap_bytes,
-    swapped_byte,
+    stored_byte,
     to_cache_order,
+    to_stored_bytes,
     unblock_columns,
     unpack,
     unpack_tokens,
@@ -396,16 +396,16 @@ class QuantizedStore:
 
     def _add_codes(self, layer, b, rows, vals) -> Array:
         """OR packed code bits `vals` [B, (W,) H, D] into token rows `rows` [B(, W)] of a layer
-        (stored rows keep their middle bytes swapped: `kivi_jax.quant.swap_bytes`). 8-bit codes
+        (in the stored byte order of a row: `kivi_jax.quant.stored_byte`). 8-bit codes
         fill their byte and are set (an add reads the old byte first)."""
 
         put = lambda index, x: put_dropped(self.codes, index, x, add=self.bits != 8)
         if self.blocked:  # a token row is a byte column of V^T, in blocks of 64 columns
-            col = swapped_byte(rows)
+            col = stored_byte(rows, self.bits)
             return put((layer, b, WHOLE, col // CODE_BLOCK, WHOLE, col % CODE_BLOCK), vals)
         if self.transposed:  # a token row is a byte column of the stored [D, T/P] rows
-            return put((layer, b, WHOLE, WHOLE, swapped_byte(rows)), vals)
-        return put((layer, b, WHOLE, rows, WHOLE), swap_bytes(vals, -1))
+            return put((layer, b, WHOLE, WHOLE, stored_byte(rows, self.bits)), vals)
+        return put((layer, b, WHOLE, rows, WHOLE), to_stored_bytes(vals, self.bits))
 
     def _set_scales(self, layer, b, idx, scale, mn) -> QuantizedStore:
         index = (layer, b, WHOLE, idx, WHOLE)
@@ -767,12 +767,12 @@ class QuantizedStore:
         tc = jnp.clip(t, 0, tq - 1)
         rows, shifts = token_rows(tc, self.bits)
         if self.blocked:
-            col = swapped_byte(rows)
+            col = stored_byte(rows, self.bits)
             packed = self.codes[layer, b, :, col // CODE_BLOCK, :, col % CODE_BLOCK]  # [B, N, H, D]
         elif self.transposed:
-            packed = self.codes[layer, b, :, :, swapped_byte(rows)]  # [B, N, H, D]
+            packed = self.codes[layer, b, :, :, stored_byte(rows, self.bits)]  # [B, N, H, D]
         else:
-            packed = swap_bytes(self.codes[layer, b, :, rows, :], -1)
+            packed = to_stored_bytes(self.codes[layer, b, :, rows, :], self.bits)
         codes = (packed >> shifts[..., None, None]) & jnp.uint8((1 << self.bits) - 1)
         g = self.group_size
         if self.axis == "channel":
@@ -812,12 +812,12 @@ class QuantizedStore:
     def _stored_order(self, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
         """A per-token store's stored order: the cache slot of each stored token column [Tq]
         and the model channel of each stored channel [D]. The middle bytes of every 4 of a
-        stored row are swapped: token slots for V^T rows, channels for key rows (which stay in
-        their blocks)."""
+        stored row of sub-byte codes are swapped (`kivi_jax.quant.stored_byte`): token slots for
+        V^T rows, channels for key rows (which stay in their blocks); 8-bit rows are in order."""
         slots, channels = np.arange(self.capacity), np.arange(head_dim)
         if self.transposed:
-            return swapped_byte(slots), channels
-        return slots, swapped_byte(channels)
+            return stored_byte(slots, self.bits), channels
+        return slots, stored_byte(channels, self.bits)
 
     def token_slots(self, layer) -> tuple[Array, np.ndarray, np.ndarray]:
         """A per-token store's quantized slots of `layer` as float32 [B, Hkv, Tq, D] in the
@@ -826,8 +826,8 @@ class QuantizedStore:
         Attention is the same over any order of the tokens, and q can take the channels'
         order: read as stored, dequantizing is elementwise, where the model's order is a
         gather (`dense_layer`). The order:
-        tokens in the cache order (`cache_slot`), and the middle bytes of every 4 of a stored
-        row swapped (`swapped_byte`): channels for keys, token slots for V^T. NotImplementedError
+        tokens in the cache order (`cache_slot`), and a row in the stored byte order
+        (`stored_byte`: channels for keys, token slots for V^T). NotImplementedError
         for per-channel or blocked stores."""
         if self.axis != "token" or self.blocked:
             raise NotImplementedError("token slots: per-token stores, unblocked, only")
@@ -860,9 +860,9 @@ class QuantizedStore:
             raise NotImplementedError("fp8 slots: unblocked fp8 stores without sinks")
         elements = jax.lax.bitcast_convert_type(self.codes[layer], jnp.float8_e4m3fn)
         slots, channels = self._stored_order(elements.shape[-2 if self.transposed else -1])
+        # 8-bit rows are stored unswapped (`stored_byte`): V^T's column i is slot i, as the
+        # scales are held, and the key channels are in order
         scale = self.scale[layer].astype(jnp.float32)
-        if self.transposed:
-            scale = jnp.take(scale, slots, axis=-1)
         return elements, scale, cache_slot(slots), channels
 
     def dense_layer(self, layer, lengths: Array, dtype, origin=0) -> Array:

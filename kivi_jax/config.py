@@ -150,6 +150,13 @@ class KiviConfig:
         return self.is_kivi and ints and not (self.outlier_channels or self.pre_rope)
 
     @property
+    def fp8_kernel_layout(self) -> bool:
+        """fp8 keys and values (per token), post-RoPE, no sinks: what the fp8 Pallas kernel
+        reads (`pallas_kernels.fp8_decode`; a rotation around it, the windows beside it)."""
+        fp8 = self.key_format == self.value_format == "fp8"
+        return fp8 and not (self.pre_rope or self.sinks)
+
+    @property
     def plain_kivi(self) -> bool:
         """The kernel's layout (no outlier channels) and no sinks: what the folded form
         reads."""

@@ -311,7 +311,8 @@ def check_token_ids(prompts: Sequence[Sequence[int]], config: ModelConfig) -> No
 # part per layer only where a layer's K and V are this many elements or more: a stacked store's
 # layer is copied out before its GEMMs read it, a cost that grows with the layer's bytes, while
 # the parts add launches of their own (each part's writes of the token leaving its window, ~6
-# per layer) that do not, and compile longer. docs/formats.md has the measured crossover.
+# per layer) that do not, and compile longer. docs/formats.md has the measured crossover. On
+# Hopper the fp8 kernel reads a stacked store's layer in place: no parts there.
 PER_LAYER_MIN_ELEMENTS = 100_000_000
 
 
@@ -324,7 +325,8 @@ def new_cache(cache: str, config: ModelConfig, batch: int, max_len: int, dtype, 
     Gemma3Config a `models.gemma3.Gemma3Cache` (the named cache on its global layers)."""
     if kw.get("per_layer") and cache not in kivi_jax.DENSE_NAMES:
         elements = 2 * batch * max_len * config.num_kv_heads * config.head_dim
-        kw["per_layer"] = elements >= PER_LAYER_MIN_ELEMENTS
+        kernel = kivi_jax.attention.pallas_available()
+        kw["per_layer"] = elements >= PER_LAYER_MIN_ELEMENTS and not kernel
     if isinstance(config, gemma3.Gemma3Config):
         if kw.get("layer_overrides"):
             raise NotImplementedError(

@@ -18,11 +18,13 @@ the *cache order* (`cache_slot`): within each block of 256 tokens, token 64a + 1
 4, c < 16) sits in slot 64b + 16a + c. A kernel's warp that holds rows 16a .. 16a + 15 of every
 plane of a block then holds the 64 consecutive tokens 64a .. 64a + 63, one key group (G >= 64)
 or two (G = 32) instead of one per plane (`pack_tokens`, `unpack_tokens`; docs/layout.md).
-Last, in every stored row of code bytes (keys: along D; values: along the packed token
+Last, in every stored row of sub-byte codes (keys: along D; values: along the packed token
 columns) the two middle bytes of each 4-byte group are swapped (`swap_bytes`): a kernel then
 widens a 32-bit word of codes into fp16 pairs (b0, b2), (b1, b3) as the word itself and the
 word shifted right by 8, the code field masks clearing the other byte, and those pairs are the
-elements (4k, 4k + 1), (4k + 2, 4k + 3) of the row.
+elements (4k, 4k + 1), (4k + 2, 4k + 3) of the row. Rows of 8-bit elements (fp8) are not
+swapped (`swaps_bytes`): there is no field to widen, and unswapped, the key row of a slot and
+the V^T column of that slot hold the same token, which the fp8 kernel's two products need.
 
 2-bit value codes (V^T: [..., D, T/P], tokens along the columns) are stored in blocks of 64
 columns, [..., T/256, D, 64] (`block_columns`, `value_codes_blocked`): the 256 tokens of a
@@ -133,17 +135,37 @@ def swap_bytes(x, axis: int = -1):
     return jnp.moveaxis(q.reshape(x.shape), -1, axis)
 
 
+def swaps_bytes(bits: int) -> bool:
+    """Whether stored rows of `bits`-bit codes have the middle bytes of every 4 swapped: rows of
+    sub-byte codes do, rows of 8-bit elements do not (module doc)."""
+    return codes_per_byte(bits) > 1
+
+
+def stored_byte(i, bits: int):
+    """Where byte i of a stored row of `bits`-bit codes sits, and which byte sits at i (an
+    involution): `swapped_byte` where the rows are swapped (`swaps_bytes`), else i."""
+    return swapped_byte(i) if swaps_bytes(bits) else i
+
+
+def to_stored_bytes(x, bits: int, axis: int = -1):
+    """x's `axis`, a row of `bits`-bit code bytes, in the stored byte order, and back (an
+    involution): `swap_bytes` where the rows are swapped (`swaps_bytes`), else x."""
+    return swap_bytes(x, axis) if swaps_bytes(bits) else jnp.asarray(x)
+
+
 def pack_tokens(codes: Array, bits: int, *, axis: int) -> Array:
     """Codes [..., T, ...] (T % 256 == 0, tokens in order along `axis`; the last axis of the
     packed array a multiple of 4) packed as the KV cache holds them: in the cache order,
-    token-planar with 64-token planes, the middle bytes of every 4-byte group of a row (the
-    last axis) swapped (module doc)."""
-    return swap_bytes(pack(to_cache_order(codes, axis), bits, axis=axis, plane=CACHE_PLANE), -1)
+    token-planar with 64-token planes, in the stored byte order of a row (the last axis;
+    `to_stored_bytes`, module doc)."""
+    packed = pack(to_cache_order(codes, axis), bits, axis=axis, plane=CACHE_PLANE)
+    return to_stored_bytes(packed, bits)
 
 
 def unpack_tokens(packed: Array, bits: int, *, axis: int) -> Array:
     """Inverse of `pack_tokens`: uint8 codes with the tokens in order along `axis`."""
-    return to_cache_order(unpack(swap_bytes(packed, -1), bits, axis=axis, plane=CACHE_PLANE), axis)
+    codes = unpack(to_stored_bytes(packed, bits), bits, axis=axis, plane=CACHE_PLANE)
+    return to_cache_order(codes, axis)
 
 
 def value_codes_blocked(bits: int) -> bool:

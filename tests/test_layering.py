@@ -26,6 +26,7 @@ FORBIDDEN_PREFIXES = (
     "jax._src.pallas.mosaic_gpu",
     "jax.experimental.mosaic",
     "pallas_kernels.kivi_decode",
+    "pallas_kernels.fp8_decode",
     "pallas_kernels.sm90",
 )
 

@@ -14,7 +14,9 @@ from kivi_jax.quant import (
     minmax_quantize,
     pack,
     pack_tokens,
+    stored_byte,
     swapped_byte,
+    swaps_bytes,
     to_cache_order,
     unpack,
     unpack_tokens,
@@ -102,6 +104,21 @@ def test_token_packing_is_the_cache_order_then_token_planar(bits):
         )
     with pytest.raises(ValueError, match="multiple of 4"):
         pack_tokens(codes[:, :3], bits, axis=0)
+
+
+def test_8_bit_rows_are_stored_unswapped():
+    """8-bit elements (fp8) are stored in the cache order without the byte swap, so the key row
+    of a slot and the V^T column of that slot hold the same token (pallas_kernels.layout)."""
+    codes = np.random.default_rng(8).integers(0, 256, (512, 8), dtype=np.uint8)
+    assert not swaps_bytes(8) and swaps_bytes(4) and swaps_bytes(2)
+    slots = cache_slot(np.arange(512))
+    packed = np.asarray(pack_tokens(codes, 8, axis=0))  # keys: token-major rows
+    np.testing.assert_array_equal(packed[slots], codes)
+    packed_t = np.asarray(pack_tokens(codes.T, 8, axis=1))  # values: V^T, tokens on the row
+    np.testing.assert_array_equal(packed_t[:, slots], codes.T)
+    np.testing.assert_array_equal(unpack_tokens(packed, 8, axis=0), codes)
+    assert [int(stored_byte(c, 8)) for c in range(8)] == list(range(8))
+    assert [int(stored_byte(c, 2)) for c in range(8)] == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
 @given(
