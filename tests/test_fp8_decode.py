@@ -165,7 +165,7 @@ def test_decode_attention_pallas_equals_reference_on_an_fp8_cache(rotation):
         got = kj.decode_attention(q, cache, layer, implementation="pallas", interpret=True)
         want = kj.decode_attention(q, cache, layer, implementation="reference")
         err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
-        assert err < 2e-2 * float(jnp.abs(want.astype(jnp.float32)).max()), err  # bf16 output
+        assert err < 1e-2 * float(jnp.abs(want.astype(jnp.float32)).max()), err  # bf16 output
 
 
 def test_decode_attention_pallas_on_a_per_layer_fp8_cache():
@@ -173,7 +173,7 @@ def test_decode_attention_pallas_on_a_per_layer_fp8_cache():
     q = query(13, 1, 4, 64)
     got = kj.decode_attention(q, cache, 1, implementation="pallas", interpret=True)
     want = kj.decode_attention(q, cache, 1, implementation="reference")
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=4e-3)
 
 
 def test_fp8_kernel_declines_sinks_and_pre_rope():
@@ -204,3 +204,17 @@ def test_native_kernel_equals_twin_and_repeats_its_bits(B, T, g):
     again = run(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(again[0]))
     compare(got, fp8_decode_reference(*args, group_size=G, sm_scale=D**-0.5))
+
+
+def test_chunk_attention_pallas_folds_the_chunk_into_the_fp8_kernel():
+    """A chunk's queries folded into query rows (KERNEL_QUERY_ROWS per launch) on an fp8 cache,
+    ragged rows, against "reference"."""
+    cache = fp8_cache(lengths=(700, 300))
+    b, c, hkv, d = 2, 12, 2, 64
+    q = jax.random.normal(jax.random.key(1), (b, c, hkv * 4, d)).astype(jnp.bfloat16)
+    kk = jax.random.normal(jax.random.key(2), (b, c, hkv, d)).astype(jnp.bfloat16)
+    counts = jnp.array([12, 5], jnp.int32)
+    ref = kj.chunk_attention(q, kk, kk, counts, cache, 1, implementation="reference")
+    got = kj.chunk_attention(q, kk, kk, counts, cache, 1, implementation="pallas", interpret=True)
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(ref, np.float32))
+    assert err[0].max() < 4e-3 and err[1, :5].max() < 4e-3  # bf16 outputs (|o| <= 0.5)
