@@ -290,3 +290,18 @@ def test_cli_mesh_makes_host_devices_and_matches_one_device(cache_dir, kivi_shor
     greedy = want.tokens[1]
     assert out["generated_tokens"] == greedy[: len(out["generated_tokens"])]
     assert len(out["generated_tokens"]) >= 8
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
+def test_large_fp8_caches_are_per_layer_only_where_xla_reads_them(monkeypatch, kernel):
+    """XLA's GEMMs read an fp8 layer in place only from a part of its own
+    (`PER_LAYER_MIN_ELEMENTS`); on Hopper the fp8 kernel reads a layer of the stacked stores
+    in place, and parts would only add launches."""
+    import kivi_jax
+    from models.presets import PRESETS
+
+    monkeypatch.setattr(kivi_jax.attention, "pallas_available", lambda: kernel)
+    config = PRESETS["llama-3-8b"]
+    make = lambda: G.new_cache("fp8", config, 8, 32768, jax.numpy.bfloat16, per_layer=True)
+    cache = jax.eval_shape(make)  # 3.4e8 elements per layer: no allocation
+    assert isinstance(cache, kivi_jax.MixedCache) != kernel
