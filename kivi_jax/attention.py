@@ -17,9 +17,10 @@ implementation:
                float32 accumulation in a 16-bit query's dtype (else float32): fp8 without
                sinks as stored, its block scales applied to the products' results; the
                others dequantized first. With a float32 query it agrees with "reference" to
-               float32 rounding;
-               NotImplementedError for other caches (per-channel keys, blocked codes,
-               pre-RoPE keys).
+               float32 rounding. Caches of pre-RoPE keys (`best3`, `best25`): the layer
+               dequantized to that dtype, keys turned by RoPE at their positions
+               (`KiviCache.layer_kv`), then the same two products;
+               NotImplementedError for other caches (per-channel keys, blocked codes).
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
                implementation="cudnn"); raises NotImplementedError where it does not apply
                (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
@@ -345,9 +346,9 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     (the query's, if 16-bit) with float32 accumulation, and the windows in place: caches whose
     keys and values are both per token and unblocked (the float formats), post-RoPE.
     NotImplementedError otherwise. fp8 without sinks: `_fp8_products`; the rest dequantized
-    to `dtype` first (`_dequantized_products`)."""
-    if cache.config.pre_rope:  # RoPE by position would need each slot's position per element
-        raise NotImplementedError("'xla' reads post-RoPE keys (pre_rope=False)")
+    to `dtype` first (`_dequantized_products`). Keys before RoPE: `_layer_products`."""
+    if cache.config.pre_rope:
+        return _layer_products(qg, cache, layer, dtype)
     product = functools.partial(
         jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
     )
@@ -364,6 +365,20 @@ def _kivi_xla(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
     if cache.tail_window:  # no windows: everything held is quantized
         parts.append(tail_attention(qg, cache, layer, m))
     return merge_partials(parts)
+
+
+def _layer_products(qg, cache: KiviCache, layer, dtype) -> tuple[Array, Array]:
+    """Attention over the whole layer dequantized to `dtype` (`KiviCache.layer_kv`: the keys
+    turned back into the model's basis and by RoPE at their positions, the windows and sinks in
+    place) by XLA's two products with float32 accumulation: caches of keys quantized before
+    RoPE, which no product reads as stored (a key's RoPE angle is its position's)."""
+    k, v = cache.layer_kv(layer, dtype)  # [B, Tq, Hkv, D]
+    held = jnp.arange(k.shape[1])[None, :] < cache.local_lengths()[:, None]
+    product = functools.partial(
+        jnp.einsum, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
+    s = _mask_logits(product("bhgd,bthd->bhgt", qg.astype(dtype), k), held[:, None, None, :])
+    return _normalize(s, lambda p: product("bhgt,bthd->bhgd", p.astype(dtype), v))
 
 
 def _permuted(x: Array, order: np.ndarray) -> Array:

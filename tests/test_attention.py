@@ -340,14 +340,30 @@ def test_fp8_slots_times_their_scales_are_the_token_slots():
             other.keys.fp8_slots(0)
 
 
-def test_xla_declines_per_channel_blocked_and_pre_rope_caches():
-    rope = {"pre_rope": True, "rope_frequencies": 1e4 ** -(np.arange(32) / 32)}
-    for name, knobs in (("kivi2", {}), ("pertoken2", {}), ("fp8", rope)):
-        c = kj.make_cache(
-            name, num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=256, **knobs
-        )
+def test_xla_declines_per_channel_and_blocked_caches():
+    for name in ("kivi2", "pertoken2"):
+        c = kj.make_cache(name, num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=256)
         with pytest.raises(NotImplementedError):
             attend(jnp.ones((2, 4, 64)), c, 1, implementation="xla")
+
+
+@pytest.mark.parametrize("name", ["best3", "best25", "fp8"])
+def test_xla_reads_pre_rope_caches_through_the_dequantized_layer(name):
+    """Keys quantized before RoPE (with sinks and both rotations for best3 / best25): "xla"
+    attends the layer dequantized, keys turned by RoPE at their positions, as "reference" does
+    (float32 q: to float32 rounding; bf16 q: bf16 operands)."""
+    rope = 1e4 ** -(np.arange(32) / 32)
+    rng = np.random.default_rng(7)
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 2, 600, 64)), jnp.bfloat16) for _ in range(2))
+    c = kj.make_cache(
+        name, num_layers=2, batch=2, kv_heads=2, head_dim=64, max_len=768, pre_rope=True,
+        rope_frequencies=rope,
+    ).prefill(k, v, jnp.array([600, 150]))  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.float32)
+    want = attend(q, c, 1, implementation="reference")
+    np.testing.assert_allclose(attend(q, c, 1, implementation="xla"), want, atol=2e-5, rtol=0)
+    low = attend(q.astype(jnp.bfloat16), c, 1, implementation="xla").astype(jnp.float32)
+    assert float(jnp.abs(low - want).max()) < 2e-2 * float(jnp.abs(want).max())
 
 
 @pytest.mark.gpu
