@@ -188,11 +188,21 @@ def _timed_row(
     )
 
 
+def llama_rope() -> np.ndarray:
+    """Llama-3-8B's RoPE inverse frequencies [D/2] (the grid's head dim)."""
+    from models import llama
+    from models.presets import get_preset
+
+    return llama.rope_frequencies(get_preset("llama-3-8b"))
+
+
 def format_cache(name, group, *, layers, batch, tokens, residual, lengths, sinks, rotation):
-    """A float-format cache (`kivi_jax.make_cache(name, per_layer=True)`, as a model with
+    """A `FORMATS` cache (`kivi_jax.make_cache(name, per_layer=True)`, as a model with
     per-layer weights makes it) whose rows hold `lengths` tokens: random bf16 K/V of std 1,
-    the same in every layer, prefilled."""
+    the same in every layer, prefilled; keys before RoPE turned by Llama-3-8B's frequencies."""
     t = tokens + residual
+    config = kivi_jax.cache_config(name, group, residual, sinks=sinks, rotation=rotation)
+    rope = {"rope_frequencies": llama_rope()} if config.pre_rope else {}
     cache = kivi_jax.make_cache(
         name,
         num_layers=layers,
@@ -205,6 +215,7 @@ def format_cache(name, group, *, layers, batch, tokens, residual, lengths, sinks
         sinks=sinks,
         rotation=rotation,
         per_layer=True,
+        **rope,
     )
     shape = (batch, KV_HEADS, t, HEAD_DIM)
 
@@ -254,8 +265,9 @@ def measure_format(
         key_bits=config.key_bits,
         value_bits=config.value_bits,
         G=g,
-        sinks=sinks,
-        rotation=rotation,
+        sinks=config.sinks,  # a name's own where it fixes them (best3, best25)
+        rotation=config.rotation,
+        pre_rope=config.pre_rope,
         ragged=ragged,
     )
     # the layer a Python int, as a model's unrolled layers pass it to a per-layer cache
@@ -390,7 +402,9 @@ def check(
     return rows, ok_all
 
 
-FLOAT_FORMATS = ("fp8", "nvfp4", "mxfp4")
+# The caches --formats times through the public call: the float formats, and the named caches of
+# keys before RoPE (their RoPE frequencies Llama-3-8B's, the grid's shapes)
+FORMATS = ("fp8", "nvfp4", "mxfp4", "best3", "best25")
 
 
 def parse_formats(text: str) -> list[tuple[str, int]]:
@@ -398,8 +412,8 @@ def parse_formats(text: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, text.split(",")):
         name, _, g = item.partition(":")
-        if name not in FLOAT_FORMATS or not g.isdigit():
-            raise ValueError(f"--formats takes NAME:G with NAME in {FLOAT_FORMATS}, got {item!r}")
+        if name not in FORMATS or not g.isdigit():
+            raise ValueError(f"--formats takes NAME:G with NAME in {FORMATS}, got {item!r}")
         out.append((name, int(g)))
     return out
 
@@ -464,7 +478,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--formats",
         default="",
-        help="NAME:G list of float formats (fp8, nvfp4, mxfp4) timed instead of --kbg",
+        help="NAME:G list of float formats (fp8, nvfp4, mxfp4) or best3 / best25 (keys before "
+        "RoPE) timed instead of --kbg",
     )
     ap.add_argument(
         "--format-impl",

@@ -220,6 +220,16 @@ def test_kernel_grid_times_float_formats_through_the_public_call(tmp_path, capsy
     # the public call over the filled cache attends what was prefilled (not an empty cache)
     q = common.random_query(jax.random.key(1), 2, 32, 128)
     assert np.abs(np.asarray(kivi_jax.decode_attention(q, fp8, 0), np.float32)).max() > 0
+    # the named caches of keys before RoPE, with their own sinks and rotation
+    out = tmp_path / "best.json"
+    assert kernel_grid.main(["--dry-run", "--formats", "best25:64", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["format"], row["sinks"], row["rotation"], row["pre_rope"]) == (
+        "best25",
+        8,
+        "both",
+        True,
+    )
     with pytest.raises(ValueError, match="NAME:G"):
         kernel_grid.parse_formats("kivi2:32")
     with pytest.raises(ValueError, match="NAME:G"):
