@@ -454,14 +454,8 @@ def kernel_on_cache(
     if cache.config.fp8_kernel_layout:
         if windows is not None or sinks:
             raise NotImplementedError("the fp8 kernel attends the quantized slots only")
-        return tuple(
-            x.astype(dt)
-            for x, dt in zip(
-                _fp8_kernel(q, cache, layer, num_tokens, scale, interpret),
-                (out_dtype, jnp.float32),
-                strict=True,
-            )
-        )
+        o, lse = _fp8_kernel(q, cache, layer, num_tokens, scale, interpret)
+        return o.astype(out_dtype), lse
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
