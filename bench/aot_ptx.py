@@ -5,6 +5,7 @@
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:32 --flags "num_splits=12;stages=3" --out DIR
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128 --window 128 --out DIR  # windows in
     .venv-aot/bin/python bench/aot_ptx.py --fp8 64 --out DIR  # the fp8 kernel (fp8_64.ptx)
+    .venv-aot/bin/python bench/aot_ptx.py --prerope 2:32 --out DIR  # keys before RoPE
     python -m bench.sass_static /tmp/ptx/*.ptx --nvdisasm ...
 
 The CUDA PJRT plugin compiles for a `GpuTargetConfigProto` (bench/h200_target_config.txtpb)
@@ -40,6 +41,7 @@ import kivi_jax
 from bench.common import override, parse_kbg
 from pallas_kernels.fp8_decode import fp8_decode
 from pallas_kernels.kivi_decode import choose_tuning, kivi_decode
+from pallas_kernels.prerope_decode import prerope_decode
 
 TARGET = Path(__file__).with_name("h200_target_config.txtpb")
 BATCH, KV_HEADS, TOKENS = 2, 8, 8192
@@ -171,6 +173,46 @@ def compile_fp8_ptx(group_size: int, *, hq: int = 32, head_dim: int = 128, targe
     )
 
 
+def compile_prerope_ptx(
+    key_bits: int, value_bits: int, group_size: int, *, hq: int = 32, head_dim: int = 128,
+    target=TARGET,
+) -> str:  # fmt: skip
+    """The PTX of the pre-RoPE kernel (`pallas_kernels.prerope_decode`) at the anchor's shape
+    (B=8, T=128k, Hkv=8, two layers), its chosen splits, keys rotated and 8 sinks (`best3`'s
+    and `best25`'s form)."""
+    spec = _topology_spec(target)
+    L, B, T, J = 2, ANCHOR_BATCH, ANCHOR_TOKENS, head_dim // group_size
+    s = lambda shape, dtype: spec(jax.ShapeDtypeStruct(shape, dtype))
+    pk, pv = 8 // key_bits, 8 // value_bits
+    v_codes = (T // (64 * pv), head_dim, 64) if value_bits == 2 else (head_dim, T // pv)
+    f = jax.jit(
+        functools.partial(
+            prerope_decode,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            group_size=group_size,
+            sm_scale=1 / math.sqrt(head_dim),
+            basis_scale=1 / math.sqrt(head_dim),
+            sinks=8,
+        )
+    )
+    per_row = lambda shape: (L, B, KV_HEADS, *shape)
+    return _dumped_ptx(
+        f,
+        s((B, hq, head_dim), jnp.bfloat16),
+        s(per_row((T // pk, head_dim)), jnp.uint8),
+        s(per_row((T // group_size, head_dim)), jnp.float16),
+        s(per_row((T // group_size, head_dim)), jnp.float16),
+        s(per_row(v_codes), jnp.uint8),
+        s(per_row((J, T)), jnp.float16),
+        s(per_row((J, T)), jnp.float16),
+        s((B,), jnp.int32),
+        s((), jnp.int32),
+        s((head_dim // 2,), jnp.float32),
+        s((head_dim, head_dim), jnp.float32),
+    )
+
+
 def ptx_name(key_bits: int, value_bits: int, group_size: int, flags: str, window: int = 0) -> str:
     """The file name of a configuration's PTX: '2_2_32_num_splits12.ptx', '2_2_128_default.ptx',
     '2_2_128_default_w128.ptx' (with windows of 128 slots)."""
@@ -192,6 +234,11 @@ def main(argv=None) -> list[Path]:
         help="residual-window slots attended in the kernel (0: none); a comma list compiles each",
     )
     ap.add_argument("--fp8", default="", help="G list: the fp8 kernel's PTX instead (fp8_{G}.ptx)")
+    ap.add_argument(
+        "--prerope",
+        default="",
+        help="bits:G list: the pre-RoPE kernel's PTX instead (prerope_{k}_{v}_{G}.ptx)",
+    )
     ap.add_argument("--out", required=True, help="directory for the .ptx files")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -201,6 +248,13 @@ def main(argv=None) -> list[Path]:
         for g in (int(x) for x in a.fp8.split(",")):
             path = out / f"fp8_{g}.ptx"
             path.write_text(compile_fp8_ptx(g, hq=a.hq, head_dim=a.D))
+            print(path, flush=True)
+            paths.append(path)
+        return paths
+    if a.prerope:
+        for kb, vb, g in parse_kbg(a.prerope):
+            path = out / f"prerope_{kb}_{vb}_{g}.ptx"
+            path.write_text(compile_prerope_ptx(kb, vb, g, hq=a.hq, head_dim=a.D))
             print(path, flush=True)
             paths.append(path)
         return paths

@@ -44,7 +44,7 @@ from models.presets import get_preset
 
 # (kind, pattern over the lower-cased kernel name), first match wins
 KINDS = (
-    ("kivi kernel", r"mosaic|kivi_decode|fp8_decode"),
+    ("kivi kernel", r"mosaic|kivi_decode|fp8_decode|prerope_decode"),
     ("cudnn attention", r"cudnn|fmha|flash|sdpa"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|gemv|dot"),
     ("copy / update", r"dynamic_update|copy|memcpy|memset"),

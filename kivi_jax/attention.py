@@ -7,8 +7,9 @@ implementation:
                the residual tail is attended separately and the two merged by log-sum-exp.
                Agrees with "reference" to float32 rounding.
   "pallas"     the fused Mosaic GPU kernels (Hopper): KIVI's integer caches
-               (`pallas_kernels.kivi_decode`) and fp8 caches without sinks, post-RoPE
-               (`pallas_kernels.fp8_decode`); raises NotImplementedError where they do not
+               (`pallas_kernels.kivi_decode`), fp8 caches without sinks, post-RoPE
+               (`pallas_kernels.fp8_decode`), integer caches of keys before RoPE
+               (`pallas_kernels.prerope_decode`); raises NotImplementedError where they do not
                apply. `interpret=True` runs them under the GPU interpreter on any backend.
   "xla"        dense caches: XLA attention reading K/V in the cache dtype with float32
                accumulation (multiply-and-reduce; reads each layer of the cache in place).
@@ -24,7 +25,8 @@ implementation:
   "cudnn"      dense caches only: cuDNN's fused attention (`jax.nn.dot_product_attention`,
                implementation="cudnn"); raises NotImplementedError where it does not apply
                (no GPU or cuDNN, a float32 cache, a head dim cuDNN rejects).
-  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes or fp8, supported shapes),
+  "auto"       "pallas" where it applies (sm_90 GPU, KIVI axes or fp8, supported shapes; keys
+               before RoPE up to PRE_ROPE_KERNEL_TOKENS slots per launch),
                else on a GPU "xla" where it applies, else "reference". On a dense cache: "cudnn" on
                a GPU for a 16-bit cache, else (or where cuDNN declines) "xla" ("reference"
                converts K/V to float32 first).
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from kivi_jax import rotation
 from kivi_jax.cache import (
     DenseCache,
     KiviCache,
@@ -322,14 +325,14 @@ def tail_attention(qg: Array, cache: KiviCache, layer, start: Array) -> tuple[Ar
     """Attention over positions [start, lengths) of each row (the residual tail), float32;
     start is `cache.quantized_split()`."""
     n = jnp.minimum(cache.lengths, cache.max_len)
-    if cache.windows_aligned:  # the tail is the two windows, slot for slot
+    if cache.windows_aligned and not cache.config.pre_rope:  # the windows, slot for slot
         w = cache.keys.window
         k = cache.keys.layer_window(layer)  # [B, Hkv, W, D]
         v = cache.values.layer_window(layer)
         return _attend_in_place(qg, k, v, jnp.arange(w)[None, :] < n[:, None])
     w = cache.tail_window
     t = n[:, None] - w + jnp.arange(w)  # the last W positions of each row
-    k = cache.keys.gather(layer, t, n)
+    k = cache.read_keys(cache.keys.gather(layer, t, n), t[:, None])
     v = cache.values.gather(layer, t, n)
     return _softmax_attend(qg, k, v, (t >= start[:, None]) & (t >= 0) & (t < n[:, None]))
 
@@ -450,7 +453,14 @@ def kernel_on_cache(
     cache's windows too, num_tokens being the rows' lengths, capped at the cache's max_len).
     `sinks`: attend the cache's sinks from their buffers too (those below the quantized split;
     the kernel's `sinks`). An fp8 cache (`KiviConfig.fp8_kernel_layout`) runs
-    `pallas_kernels.fp8_decode`, which takes neither windows nor sinks."""
+    `pallas_kernels.fp8_decode`, which takes neither windows nor sinks; a cache of keys
+    quantized before RoPE (`prerope_kernel_layout`) `pallas_kernels.prerope_decode`, which
+    takes no windows (its sinks are attended beside it)."""
+    if cache.config.prerope_kernel_layout:
+        if windows is not None:
+            raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
+        o, lse = _prerope_kernel(q, cache, layer, num_tokens, scale, interpret, sinks)
+        return o.astype(out_dtype), lse
     if cache.config.fp8_kernel_layout:
         if windows is not None or sinks:
             raise NotImplementedError("the fp8 kernel attends the quantized slots only")
@@ -512,6 +522,68 @@ def _fp8_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret):
     )
 
 
+def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, sinks: bool):
+    """`pallas_kernels.prerope_decode.prerope_decode` over a cache of keys quantized before
+    RoPE: (o [B, Hq, D], lse [B, Hq]) float32 of positions [N, num_tokens) (N sinks, whose
+    codes are never read) and, with `sinks`, of the quantized sinks from their buffers
+    (`_prerope_sinks`). NotImplementedError for shapes the kernel does not take."""
+    from pallas_kernels import prerope_decode as kernel
+
+    config, d, group = cache.config, q.shape[-1], q.shape[1] // cache.kv_heads
+    if (
+        d not in kernel.SUPPORTED_HEAD_DIMS
+        or group > kernel.MAX_GROUP_HEADS
+        or config.group_size not in kernel.SUPPORTED_GROUPS
+    ):
+        raise NotImplementedError(
+            f"the pre-RoPE kernel takes head dims {kernel.SUPPORTED_HEAD_DIMS}, groups "
+            f"{kernel.SUPPORTED_GROUPS} and at most {kernel.MAX_GROUP_HEADS} query heads per kv "
+            f"head, got D={d}, G={config.group_size}, {group}"
+        )
+    k, v = cache.keys, cache.values
+    rotated = config.rotates_keys  # the stored keys are x R: x = stored R^T
+    o, lse = kernel.prerope_decode(
+        q,
+        k.codes,
+        k.scale,
+        k.minimum,
+        v.codes,
+        v.scale,
+        v.minimum,
+        num_tokens,
+        layer,
+        cache.key_rope,
+        jnp.asarray(rotation.matrix(d).T) if rotated else None,
+        key_bits=config.key_bits,
+        value_bits=config.value_bits,
+        group_size=config.group_size,
+        sm_scale=scale,
+        basis_scale=1 / math.sqrt(d) if rotated else 1.0,
+        sinks=k.sinks,
+        origin=cache._origin(),
+        interpret=interpret,
+    )
+    if not (sinks and k.sinks):
+        return o, lse
+    o, lse = _settled(o, lse, interpret)  # before the eager ops of the sinks' part
+    qg = _group_query(q, cache.kv_heads, scale)
+    part = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
+    o, lse = merge_partials([part, _prerope_sinks(qg, cache, layer, num_tokens)])
+    return o.reshape(q.shape), lse.reshape(q.shape[:2])
+
+
+def _prerope_sinks(qg, cache: KiviCache, layer, num_tokens) -> tuple[Array, Array]:
+    """Attention over each row's quantized sinks, positions [0, min(N, num_tokens)), read from
+    their buffers (`QuantizedStore.gather` overlays them), keys back to post-RoPE
+    (`read_keys`), float32."""
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    j = jnp.broadcast_to(jnp.arange(cache.keys.sinks), (cache.batch, cache.keys.sinks))
+    k = cache.read_keys(cache.keys.gather(layer, j, n), j[:, None])
+    v = cache.values.gather(layer, j, n)
+    return _softmax_attend(qg, k, v, j < jnp.minimum(num_tokens, n)[:, None])
+
+
 def _kivi_pallas(
     qg,
     q,
@@ -530,11 +602,12 @@ def _kivi_pallas(
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
         raise NotImplementedError(f"the Pallas KIVI kernel is not available: {e}") from e
-    if not (cache.config.kernel_layout or cache.config.fp8_kernel_layout):
+    config = cache.config
+    if not (config.kernel_layout or config.fp8_kernel_layout or config.prerope_kernel_layout):
         raise NotImplementedError(
             "the Pallas kernels need KIVI axes (channel keys, token values), integer codes and "
-            "no outlier channels, or fp8 keys and values without sinks; all post-RoPE; got "
-            f"{cache.config}"
+            "no outlier channels (keys before RoPE: 2 or 4 bits), or fp8 keys and values "
+            f"without sinks, post-RoPE; got {config}"
         )
     if not interpret and not pallas_available():
         raise NotImplementedError(
@@ -602,17 +675,30 @@ def pallas_available() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+# The most quantized slots (rows x capacity) for which "auto" takes the pre-RoPE kernel over
+# XLA's products on the layer dequantized to 16 bits: its per-plane steps are serial and slow,
+# so it wins on small launches only (docs/performance.md, "Keys before RoPE").
+PRE_ROPE_KERNEL_TOKENS = 16384
+
+
 def _kernel_applies(q: Array, cache: KiviCache) -> bool:
     """Whether "auto" should try a Pallas kernel: a Hopper GPU, a 16-bit q, and KIVI axes with
-    fp16 scales (what the integer kernel reads) or an fp8 cache (`fp8_kernel_layout`); finer
-    limits raise NotImplementedError there."""
+    fp16 scales (what the integer kernel reads), an fp8 cache (`fp8_kernel_layout`) or a small
+    one of keys before RoPE on one device (`prerope_kernel_layout`, PRE_ROPE_KERNEL_TOKENS);
+    finer limits raise NotImplementedError there."""
     config = cache.config
     integer = (
         config.kernel_layout
         and (cache.seq_axis is None or not config.sinks)
         and config.scale_dtype == "float16"
     )
-    return pallas_available() and q.dtype in _SIXTEEN_BIT and (integer or config.fp8_kernel_layout)
+    prerope = (
+        config.prerope_kernel_layout
+        and cache.seq_axis is None
+        and cache.batch * cache.keys.capacity <= PRE_ROPE_KERNEL_TOKENS
+    )
+    kernels = integer or config.fp8_kernel_layout or prerope
+    return pallas_available() and q.dtype in _SIXTEEN_BIT and kernels
 
 
 def _check_scale(scale, head_dim: int) -> float:

@@ -150,6 +150,15 @@ class KiviConfig:
         return self.is_kivi and ints and not (self.outlier_channels or self.pre_rope)
 
     @property
+    def prerope_kernel_layout(self) -> bool:
+        """KIVI's axes, integer codes of 2 or 4 bits, no outlier channels, keys before RoPE:
+        what the pre-RoPE Pallas kernel reads (`pallas_kernels.prerope_decode`; the sinks and
+        the windows beside it, the values' rotation around it)."""
+        ints = self.key_format == self.value_format == "int"
+        widths = self.key_bits in (2, 4) and self.value_bits in (2, 4)
+        return self.is_kivi and ints and widths and self.pre_rope and not self.outlier_channels
+
+    @property
     def fp8_kernel_layout(self) -> bool:
         """fp8 keys and values (per token), post-RoPE, no sinks: what the fp8 Pallas kernel
         reads (`pallas_kernels.fp8_decode`; a rotation around it, the windows beside it)."""

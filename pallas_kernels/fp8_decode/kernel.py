@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.layout import CACHE_BLOCK, cache_slot
 from pallas_kernels.merge import merge_partials
+from pallas_kernels.tiles import padded_heads, swizzled
 
 TILE = 64  # slots per tile: wgmma's M for the scores
 STAGES = 2  # tiles in flight per unit: the TMA copies run this far ahead of the compute
@@ -58,11 +59,6 @@ def choose_splits(batch: int, kv_heads: int, capacity: int) -> int:
     256-slot block."""
     want = -(-SM_COUNT * UNITS_PER_SM // (batch * kv_heads))
     return max(1, min(want, capacity // CACHE_BLOCK))
-
-
-def padded_heads(group: int) -> int:
-    """wgmma's N for a kv group of `group` query heads: a multiple of 8."""
-    return -(-group // 8) * 8
 
 
 def check_inputs(q, k_codes, k_scale, v_codes, v_scale, num_tokens, group_size: int) -> None:
@@ -114,16 +110,6 @@ def query_blocks(q, kv_heads: int, group_size: int, sm_scale: float):
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, padded_heads(g) - g), (0, 0)))
     blocks = jnp.arange(D)[None, :] // group_size == jnp.arange(D // group_size)[:, None]
     return jnp.where(blocks[:, None, :], qf[:, :, None], 0.0).astype(jnp.float16)
-
-
-def _swizzled(dtype, minor: int):
-    """Tiling and swizzle of a shared-memory tile whose rows are `minor` elements of `dtype`."""
-    row = minor * jnp.dtype(dtype).itemsize
-    swizzle = next(s for s in (128, 64, 32) if row % s == 0)
-    return (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
 
 
 def _slot_positions(first_slot, shape):
@@ -245,7 +231,7 @@ def _launch(qb, k8, k_scale, v8, v_scale, held, layer, group_size, splits, stage
             interpret if not isinstance(interpret, bool) else plgpu.InterpretGPUParams()
         )
     smem = lambda shape, dtype, minor=None: plgpu.SMEM(
-        shape, dtype, transforms=_swizzled(dtype, minor) if minor else ()
+        shape, dtype, transforms=swizzled(dtype, minor) if minor else ()
     )
     return plgpu.kernel(
         _body(group_size, per_split, stages),

@@ -1,0 +1,532 @@
+"""The pre-RoPE decode kernel: the body stage by stage, and the call around it.
+
+KIVI caches of keys quantized before RoPE (`KiviConfig.pre_rope`) hold codes that no product can
+read as stored: a key's RoPE angle is its position's, so the key has to be dequantized, turned
+into the model's basis and rotated by RoPE before it meets q. This kernel does that per tile in
+registers, on the integer caches as they lie (`pallas_kernels.layout`: token-planar codes in the
+cache order, key rows in the stored byte order, 2-bit V^T in blocks of 64 byte columns).
+
+A launch is a grid of units (b, h, split), one warpgroup each (flash-decoding). A unit streams
+its split's 256-token blocks (TMA copies of the key and V^T codes, the key scales and minimums
+of the block's channel groups, the value scales and minimums of its slots) and leaves a
+normalized partial (o, lse); `prerope_decode` merges the splits by log-sum-exp. A block is four
+planes of 64 slots (a bit field of 64 byte rows of key codes, of 64 byte columns of V^T codes);
+per plane:
+
+    keys     the plane's codes times their channel group's scale plus its minimum -> fp16
+             [64, D] (channels in the stored order)
+    basis    two products with the basis matrix's halves: the stored channels to the model's
+             (the byte swap undone and, for rotated keys, the Hadamard rotation too)
+    RoPE     (x1 cos - x2 sin, x2 cos + x1 sin) at each slot's position (the angle in float32, as
+             `kivi_jax.rotation.rope` computes it; approximate sine and cosine after a reduction
+             to [-pi, pi]) -> fp16 halves
+    scores   S^T [64, N] = K_lo q_lo^T + K_hi q_hi^T (heads padded to N, log2 units)
+    softmax  online over the slots (axis 0)
+    values   P scaled per slot by each channel group's value scale (bf16: no underflow), its
+             slots put in V^T's stored column order by a product with the swap's permutation,
+             then O^T += codes^T (bf16, exact) . P_j per group j, rows of group j kept; the
+             value minimums times P accumulate per slot and are summed over the slots once,
+             at the end
+
+Every product reads shared memory (SMEM x SMEM wgmma), which the GPU interpreter runs: the CPU
+tests run the kernel itself.
+
+Edges: a row with no held position gives o = 0, lse = -inf; a layer outside [0, L) gives NaN
+(reads clamped); positions below `sinks` are not attended (the caller attends the sink
+buffers); non-finite scales or minimums give NaN in the rows and heads that attend them.
+fp16 bounds |dequantized key| and |q * sm_scale * log2(e)| below 65504.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.layout import (
+    CACHE_BLOCK,
+    CACHE_PLANE,
+    CODE_BLOCK,
+    cache_slot,
+    codes_per_byte,
+    stored_byte,
+    value_codes_blocked,
+)
+from pallas_kernels.merge import merge_partials
+from pallas_kernels.tiles import padded_heads, smem_product, swizzled
+
+# Code blocks in flight per unit. One: a unit then holds ~95 KB of shared memory at D = 128 and
+# two are resident per SM, whose interleaving hides more of a unit's serial steps (products
+# waited on, reductions across warps) than a second stage of copies would
+STAGES = 1
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_GROUPS = (32, 64, 128)
+MAX_GROUP_HEADS = 16  # query heads per kv head (N, padded to 8; the permutation's N is J * N)
+SM_COUNT = 132  # H100 / H200
+UNITS_PER_SM = 4  # two resident per SM (STAGES), two waves
+LOG2E = math.log2(math.e)
+# 2 pi in two parts for the reduction of RoPE angles: k * TWO_PI_HI is exact for |k| < 2^15
+TWO_PI_HI = 6.28125
+TWO_PI_LO = float(np.float32(2 * np.pi - 6.28125))
+
+
+def choose_splits(batch: int, kv_heads: int, capacity: int) -> int:
+    """Token splits per (row, kv head): UNITS_PER_SM units per SM, at most one split per
+    256-token block."""
+    want = -(-SM_COUNT * UNITS_PER_SM // (batch * kv_heads))
+    return max(1, min(want, capacity // CACHE_BLOCK))
+
+
+def capacity_of(v_codes, value_bits: int) -> int:
+    """Tq, the slots per row, from the V^T codes as stored."""
+    if value_codes_blocked(value_bits):
+        return v_codes.shape[-3] * CODE_BLOCK * codes_per_byte(value_bits)
+    return v_codes.shape[-1] * codes_per_byte(value_bits)
+
+
+def check_inputs(
+    q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, inv_freq, key_basis,
+    *, key_bits: int, value_bits: int, group_size: int,
+):  # fmt: skip
+    """ValueError for shapes, dtypes, widths and group sizes the kernel does not take."""
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits}")
+    if k_codes.ndim != 5:
+        raise ValueError(f"k_codes must be [L, B, Hkv, Tq/P, D], got {k_codes.shape}")
+    L, B, H, rows, D = k_codes.shape
+    Tq = rows * codes_per_byte(key_bits)
+    G = group_size
+    if G not in SUPPORTED_GROUPS or D % G:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUPS} dividing D={D}, got {G}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if Tq % CACHE_BLOCK:
+        raise ValueError(f"the slots must be a multiple of {CACHE_BLOCK}, got {Tq}")
+    pv = codes_per_byte(value_bits)
+    v_shape = (L, B, H, Tq // (CODE_BLOCK * pv), D, CODE_BLOCK)
+    if not value_codes_blocked(value_bits):
+        v_shape = (L, B, H, D, Tq // pv)
+    expect = {
+        "k_scale": (L, B, H, Tq // G, D),
+        "k_min": (L, B, H, Tq // G, D),
+        "v_codes": v_shape,
+        "v_scale": (L, B, H, D // G, Tq),
+        "v_min": (L, B, H, D // G, Tq),
+        "num_tokens": (B,),
+        "inv_freq": (D // 2,),
+        "key_basis": (D, D),
+    }
+    arrays = dict(
+        k_scale=k_scale, k_min=k_min, v_codes=v_codes, v_scale=v_scale, v_min=v_min,
+        num_tokens=num_tokens, inv_freq=inv_freq, key_basis=key_basis,
+    )  # fmt: skip
+    for name, want in expect.items():
+        if tuple(arrays[name].shape) != want:
+            raise ValueError(f"{name} must be {want} for k_codes {k_codes.shape}, got "
+                             f"{arrays[name].shape}")  # fmt: skip
+    if q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % H:
+        raise ValueError(f"q must be [B={B}, Hq (a multiple of {H}), D={D}], got {q.shape}")
+    if q.shape[1] // H > MAX_GROUP_HEADS:
+        group = q.shape[1] // H
+        raise ValueError(f"at most {MAX_GROUP_HEADS} query heads per kv head, got {group}")
+    for name in ("k_codes", "v_codes"):
+        if (k_codes if name == "k_codes" else v_codes).dtype != jnp.uint8:
+            raise ValueError(f"{name} must be uint8 (packed codes)")
+    for name in ("q", "k_scale", "k_min", "v_scale", "v_min", "inv_freq", "key_basis"):
+        x = q if name == "q" else arrays[name]
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+        raise ValueError(f"num_tokens must be integer, got {num_tokens.dtype}")
+
+
+def key_basis_halves(key_basis, key_bits: int, basis_scale: float):
+    """The basis matrix B [D, D] (a stored-order-free key row x in the model's channel order
+    before RoPE is x_rot B; identity if unrotated) as the kernel's two operands
+    [2, D/2, D] fp16: half h, row c', column p is B[ch(p), h D/2 + c'] / basis_scale, ch(p) the
+    channel stored at byte p of a key row (`stored_byte`). With basis_scale 1/sqrt(D) a
+    Hadamard basis is +-1: exact in fp16."""
+    d = key_basis.shape[0]
+    rows = jnp.asarray(key_basis, jnp.float32)[stored_byte(np.arange(d), key_bits)] / basis_scale
+    return rows.T.reshape(2, d // 2, d).astype(jnp.float16)
+
+
+def query_halves(q, kv_heads: int, sm_scale: float):
+    """q [B, Hq, D] -> [B, Hkv, 2, N, D/2] fp16: q * sm_scale * log2(e) in halves (the RoPE
+    pairs' two sides), the kv group's heads padded to N with zeros."""
+    B, Hq, D = q.shape
+    g = Hq // kv_heads
+    qf = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(B, kv_heads, g, D)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, padded_heads(g) - g), (0, 0)))
+    return qf.reshape(B, kv_heads, padded_heads(g), 2, D // 2).swapaxes(2, 3).astype(jnp.float16)
+
+
+def swap_permutation():
+    """[64, 64] bf16: row c has a one at column stored_byte(c) (the byte swap of a stored
+    row, an involution): slot-ordered P to V^T's stored column order."""
+    c = np.arange(CACHE_PLANE)
+    return jnp.asarray((stored_byte(c, 2)[:, None] == c[None, :]).astype(np.float32), jnp.bfloat16)
+
+
+def _cos_sin(angle):
+    """cos and sin of float32 angles: reduced to [-pi, pi] first (two-part 2 pi), since the
+    kernel's sine and cosine are the GPU's approximate ones (`approx_math`), accurate there;
+    libdevice's accurate ones cost most of the kernel's time."""
+    k = jnp.round(angle * (1 / (2 * np.pi)))
+    r = (angle - k * TWO_PI_HI) - k * TWO_PI_LO
+    return jnp.cos(r), jnp.sin(r)
+
+
+def _plane_codes(ref, bits: int, field: int, dtype):
+    """Bit field `field` of every byte of `ref` (a plane of codes), as `dtype`."""
+    x = ref[...].astype(jnp.int32)
+    return ((x >> (bits * field)) & ((1 << bits) - 1)).astype(dtype)
+
+
+def _key_rows(ks_s, km_s, slot, quarter: int, group_size: int, shape):
+    """Per-row key scale and minimum, float32 `shape` [64, D], of the plane filling quarter
+    `quarter` of a 256-token block: row 16 a + c holds token 64 a + 16 quarter + c of the
+    block (`cache_slot`), of channel group (64 a + 16 quarter) // G."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) // 16
+    scale = minimum = None
+    for a in range(4):
+        g = (64 * a + 16 * quarter) // group_size
+        s = ks_s[slot, g].astype(jnp.float32)[None, :]
+        m = km_s[slot, g].astype(jnp.float32)[None, :]
+        scale = s if scale is None else jnp.where(rows == a, s, scale)
+        minimum = m if minimum is None else jnp.where(rows == a, m, minimum)
+    return scale, minimum
+
+
+def _keys(k_s, ks_s, km_s, freq_s, basis_s, slot, quarter, first_slot, origin,
+          *, key_bits, group_size, basis_scale):  # fmt: skip
+    """Plane `quarter` of a block's keys -> float32 halves (lo, hi) [64, D/2] of RoPE(x B), x
+    the dequantized key rows (stored channel order) and B the basis (`key_basis_halves`)."""
+    pk = codes_per_byte(key_bits)
+    codes = _plane_codes(k_s.at[slot, quarter // pk], key_bits, quarter % pk, jnp.float32)
+    scale, minimum = _key_rows(ks_s, km_s, slot, quarter, group_size, codes.shape)
+    half = basis_s.shape[1]
+
+    def basis(kd_s):
+        kd_s[...] = (codes * scale + minimum).astype(jnp.float16)
+        plgpu.commit_smem()
+
+        def products(acc_lo, acc_hi):  # both in flight before the first wait
+            plgpu.wgmma(acc_lo, kd_s, basis_s.at[0].T)
+            plgpu.wgmma(acc_hi, kd_s, basis_s.at[1].T)
+            return acc_lo[...], acc_hi[...]
+
+        acc = plgpu.ACC((CACHE_PLANE, half), jnp.float32)
+        return pl.run_scoped(products, acc, acc)
+
+    lo, hi = pl.run_scoped(basis, _smem(codes.shape, jnp.float16))
+    position = origin + cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, lo.shape, 0))
+    cos, sin = _cos_sin(position.astype(jnp.float32) * freq_s[...][None, :])
+    cos, sin = cos * basis_scale, sin * basis_scale
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+def _scores(q_s, lo, hi):
+    """S^T [64, N] float32 = K_lo q_lo^T + K_hi q_hi^T, the key halves through shared memory."""
+
+    def product(kr_s):
+        kr_s[0] = lo.astype(jnp.float16)
+        kr_s[1] = hi.astype(jnp.float16)
+        plgpu.commit_smem()
+        shape = (lo.shape[0], q_s.shape[1])
+        return _product2(kr_s.at[0], q_s.at[0].T, kr_s.at[1], q_s.at[1].T, shape)
+
+    return pl.run_scoped(product, _smem((2, *lo.shape), jnp.float16))
+
+
+def _product2(a1, b1, a2, b2, shape):
+    """float32 `shape` = a1 . b1 + a2 . b2 on wgmma (operands in shared memory)."""
+
+    def run(acc):
+        plgpu.wgmma(acc, a1, b1)
+        plgpu.wgmma(acc, a2, b2)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _values(p, v_s, vs_s, perm_s, slot, quarter, *, value_bits, group_size):
+    """O^T [D, N] float32 of a plane without the minimums: sum over its slots of P times the
+    scaled codes. Each value group j's scale goes into P (bf16, so small weights do not
+    underflow), the swap's permutation puts P's slots in the stored column order of V^T, and
+    the codes meet P_j on wgmma (exact in bf16), group j's rows kept."""
+    J, N = vs_s.shape[1], p.shape[1]
+    cols = pl.ds(quarter * CACHE_PLANE, CACHE_PLANE)
+    pv = codes_per_byte(value_bits)
+    D = v_s.shape[2]
+
+    def product(p_s, pp_s, vc_s):
+        for g in range(J):
+            scale = vs_s[slot, g, cols].astype(jnp.float32)[:, None]
+            p_s.at[pl.ds(g * N, N)].T[...] = (p * scale).astype(jnp.bfloat16)
+        codes = v_s.at[slot, quarter // pv]
+        vc_s[...] = _plane_codes(codes, value_bits, quarter % pv, jnp.bfloat16)
+        plgpu.commit_smem()
+        pp_s.T[...] = smem_product(perm_s, p_s.T, (CACHE_PLANE, J * N)).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+
+        def products(*accs):  # all in flight before the first wait
+            for g in range(J):
+                plgpu.wgmma(accs[g], vc_s, pp_s.at[pl.ds(g * N, N)].T)
+            return [a[...] for a in accs]
+
+        return pl.run_scoped(products, *[plgpu.ACC((D, N), jnp.float32)] * J)
+
+    parts = pl.run_scoped(
+        product,
+        _smem((J * N, CACHE_PLANE), jnp.bfloat16),  # P_j, slot order
+        _smem((J * N, CACHE_PLANE), jnp.bfloat16),  # P_j, V^T's column order
+        _smem((D, CACHE_PLANE), jnp.bfloat16),  # the plane's value codes
+    )
+    row_group = lax.broadcasted_iota(jnp.int32, (D, N), 0) // group_size
+    out = parts[0]
+    for g in range(1, J):
+        out = jnp.where(row_group == g, parts[g], out)
+    return out
+
+
+def _smem(shape, dtype):
+    """A swizzled shared-memory tile of `shape` (its rows the last axis)."""
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(dtype, shape[-1]))
+
+
+def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale):
+    """The kernel body for splits of `per_split` 256-token blocks."""
+    k_pieces = 4 // codes_per_byte(key_bits)  # 64-row pieces of a block's key codes
+    v_pieces = 4 // codes_per_byte(value_bits)
+    blocked = value_codes_blocked(value_bits)
+
+    # the name Mosaic gives the kernel, which profiles show
+    def prerope_decode_kernel(
+        q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, held_g, meta_g, freq_g, basis_g, perm_g,
+        o_g, lse_g, *scratch,
+    ):  # fmt: skip
+        (q_s, k_s, ks_s, km_s, v_s, vs_s, vm_s, freq_s, basis_s, perm_s, loaded,
+         fixed) = scratch  # fmt: skip
+        b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        layer, origin, held = meta_g[0], meta_g[1], held_g[b]
+        first = split * per_split
+        blocks = jnp.clip(pl.cdiv(held, CACHE_BLOCK) - first, 0, per_split)
+        groups = ks_s.shape[1]  # key groups per block
+
+        def fetch(t, slot):
+            blk = first + t
+            bar = loaded.at[slot]
+            for i in range(k_pieces):
+                rows = pl.ds((blk * k_pieces + i) * CACHE_PLANE, CACHE_PLANE)
+                plgpu.copy_gmem_to_smem(k_g.at[layer, b, h, rows], k_s.at[slot, i], bar)
+            for i in range(v_pieces):
+                if blocked:
+                    src = v_g.at[layer, b, h, blk * v_pieces + i]
+                else:
+                    cols = pl.ds((blk * v_pieces + i) * CODE_BLOCK, CODE_BLOCK)
+                    src = v_g.at[layer, b, h, :, cols]
+                plgpu.copy_gmem_to_smem(src, v_s.at[slot, i], bar)
+            grp = pl.ds(blk * groups, groups)
+            plgpu.copy_gmem_to_smem(ks_g.at[b, h, grp], ks_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(km_g.at[b, h, grp], km_s.at[slot], bar)
+            slots = pl.ds(blk * CACHE_BLOCK, CACHE_BLOCK)
+            plgpu.copy_gmem_to_smem(vs_g.at[layer, b, h, :, slots], vs_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(vm_g.at[layer, b, h, :, slots], vm_s.at[slot], bar)
+
+        bar = fixed.at[0]
+        plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+        plgpu.copy_gmem_to_smem(freq_g, freq_s, bar)
+        plgpu.copy_gmem_to_smem(basis_g, basis_s, bar)
+        plgpu.copy_gmem_to_smem(perm_g, perm_s, bar)
+        for t in range(stages):
+            pl.when(t < blocks)(functools.partial(fetch, t, t))
+        plgpu.barrier_wait(bar)
+
+        J, N = vs_s.shape[1], q_s.shape[1]
+        D = 2 * q_s.shape[2]
+
+        def plane(carry, slot, blk, quarter):
+            o, m, l, shifts = carry
+            first_slot = blk * CACHE_BLOCK + quarter * CACHE_PLANE
+            lo, hi = _keys(k_s, ks_s, km_s, freq_s, basis_s, slot, quarter, first_slot, origin,
+                           key_bits=key_bits, group_size=group_size,
+                           basis_scale=basis_scale)  # fmt: skip
+            logits = _scores(q_s, lo, hi)
+            local = cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, logits.shape, 0))
+            logits = jnp.where((local < held) & (origin + local >= sinks), logits, -jnp.inf)
+            m_new = jnp.maximum(m, logits.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(logits - m_new[None, :])
+            l = l * alpha + p.sum(axis=0)
+            pv = _values(p, v_s, vs_s, perm_s, slot, quarter, value_bits=value_bits,
+                         group_size=group_size)  # fmt: skip
+            # each value group's minimum weighs the slots' P: summed over the slots once, at
+            # the end (a sum across the warps per plane would wait on shared memory)
+            cols = pl.ds(quarter * CACHE_PLANE, CACHE_PLANE)
+            shifts = tuple(
+                z * alpha[None, :] + p * vm_s[slot, g, cols].astype(jnp.float32)[:, None]
+                for g, z in enumerate(shifts)
+            )
+            return o * alpha[None, :] + pv, m_new, l, shifts
+
+        def step(t, carry):
+            slot = lax.rem(t, stages)
+            blk = first + t
+            plgpu.barrier_wait(loaded.at[slot])
+            for quarter in range(4):  # the block's four planes of 64 slots
+                carry = plane(carry, slot, blk, quarter)
+            # every copy of the slot was read before the last plane's products: refill it
+            pl.when(t + stages < blocks)(lambda: fetch(t + stages, slot))
+            return carry
+
+        zeros = lambda shape: jnp.zeros(shape, jnp.float32)
+        shifts = tuple(zeros((CACHE_PLANE, N)) for _ in range(J))
+        # a finite floor for the running max: a plane of masked slots adds exp2(-inf) = 0
+        init = (zeros((D, N)), jnp.full((N,), -1e30, jnp.float32), zeros((N,)), shifts)
+        o, m, l, shifts = lax.fori_loop(0, blocks, step, init)
+        row_group = lax.broadcasted_iota(jnp.int32, (D, N), 0) // group_size
+        shift = None
+        for g, z in enumerate(shifts):
+            z = z.sum(axis=0)[None, :]
+            shift = z if shift is None else jnp.where(row_group == g, z, shift)
+        empty = l == 0.0  # no position of the split is held
+        norm = jnp.where(empty, 1.0, l)
+
+        def epilogue(o_s, lse_s):
+            o_s[...] = (o + shift) / norm[None, :]
+            lse_s[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(norm))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, split])
+            plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, split])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(epilogue, plgpu.SMEM((D, N), jnp.float32), plgpu.SMEM((N,), jnp.float32))
+
+    return prerope_decode_kernel
+
+
+def _launch(
+    qh, k_codes, ks, km, v_codes, vs, vm, held, meta, freq, basis, perm, *, key_bits,
+    value_bits, group_size, splits, stages, sinks, basis_scale, interpret,
+):  # fmt: skip
+    """The kernel over every unit: (o^T [B, Hkv, S, D, N], lse [B, Hkv, S, N], log2 units)."""
+    B, H, _, N, half = qh.shape
+    D = 2 * half
+    Tq = vs.shape[-1]
+    per_split = -(-(Tq // CACHE_BLOCK) // splits)
+    J = D // group_size
+    k_pieces, v_pieces = 4 // codes_per_byte(key_bits), 4 // codes_per_byte(value_bits)
+    kw = {}
+    if interpret:
+        kw["interpret"] = (
+            interpret if not isinstance(interpret, bool) else plgpu.InterpretGPUParams()
+        )
+    smem = lambda shape, dtype, minor=None: plgpu.SMEM(
+        shape, dtype, transforms=swizzled(dtype, minor) if minor else ()
+    )
+    copies = k_pieces + v_pieces + 4
+    return plgpu.kernel(
+        _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale),
+        out_type=(
+            jax.ShapeDtypeStruct((B, H, splits, D, N), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, splits, N), jnp.float32),
+        ),
+        grid=(B, H, splits),
+        grid_names=("b", "h", "s"),
+        scratch_types=[
+            smem((2, N, half), jnp.float16, half),  # q halves
+            smem((stages, k_pieces, CACHE_PLANE, D), jnp.uint8, D),  # key codes
+            smem((stages, CACHE_BLOCK // group_size, D), ks.dtype),  # key scales
+            smem((stages, CACHE_BLOCK // group_size, D), km.dtype),  # key minimums
+            smem((stages, v_pieces, D, CODE_BLOCK), jnp.uint8, CODE_BLOCK),  # V^T codes
+            smem((stages, J, CACHE_BLOCK), vs.dtype),  # value scales
+            smem((stages, J, CACHE_BLOCK), vm.dtype),  # value minimums
+            smem((half,), jnp.float32),  # RoPE inverse frequencies
+            smem((2, half, D), jnp.float16, D),  # the basis halves (transposed)
+            smem((CACHE_PLANE, CACHE_PLANE), jnp.bfloat16, CACHE_PLANE),  # the swap
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True),  # `_cos_sin`, exp2
+        **kw,
+    )(qh, k_codes, ks, km, v_codes, vs, vm, held, meta, freq, basis, perm)
+
+
+def prerope_decode(
+    q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
+    key_basis=None, *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+    basis_scale: float = 1.0, sinks: int = 0, origin=0, splits: int | None = None,
+    stages: int = STAGES, interpret=False,
+):  # fmt: skip
+    """Decode attention of q [B, Hq, D] over positions [0, num_tokens[b]) of `layer` of a KIVI
+    store pair whose keys were quantized before RoPE, as the cache holds it
+    (`pallas_kernels.layout`): k_codes [L, B, Hkv, Tq/Pk, D] (token-planar, rows in the stored
+    byte order), k_scale and k_min [L, B, Hkv, Tq/G, D] (channel order); v_codes (V^T) [L, B,
+    Hkv, Tq/256, D, 64] at 2 bits, [L, B, Hkv, D, Tq/2] at 4, v_scale and v_min [L, B, Hkv,
+    D/G, Tq] (the cache order). A dequantized key x (model channel order) is x B in the
+    model's basis (`key_basis` [D, D], identity if None; the Hadamard un-rotation R^T for
+    rotated keys, with basis_scale = 1/sqrt(D) so that B / basis_scale is exact in fp16), then
+    rotated by RoPE at its position origin + t with `inv_freq` [D/2] (the half-split layout,
+    angles in float32). Positions below `sinks` are left to the caller (the sink buffers).
+    -> (o [B, Hq, D] float32, lse [B, Hq] float32, natural log). Module doc: the edges."""
+    D = q.shape[-1]
+    key_basis = jnp.eye(D, dtype=jnp.float32) if key_basis is None else key_basis
+    check_inputs(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, inv_freq,
+                 key_basis, key_bits=key_bits, value_bits=value_bits,
+                 group_size=group_size)  # fmt: skip
+    L, B, H = k_codes.shape[:3]
+    Tq = capacity_of(v_codes, value_bits)
+    splits = choose_splits(B, H, Tq) if splits is None else splits
+    if not 1 <= splits <= Tq // CACHE_BLOCK or stages < 1:
+        raise ValueError(f"splits must be in [1, {Tq // CACHE_BLOCK}] and stages >= 1")
+    return _prerope_decode(
+        q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
+        key_basis, origin, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+        sm_scale=sm_scale, basis_scale=basis_scale, sinks=sinks, splits=splits,
+        stages=stages, interpret=interpret,
+    )  # fmt: skip
+
+
+# One jitted function: a model's layers call it with equal shapes, and XLA lowers (and Mosaic
+# compiles) the kernel once for all of them instead of once per call site.
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "basis_scale", "sinks",
+                     "splits", "stages", "interpret"),
+)  # fmt: skip
+def _prerope_decode(
+    q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
+    key_basis, origin, *, key_bits, value_bits, group_size, sm_scale, basis_scale, sinks,
+    splits, stages, interpret,
+):  # fmt: skip
+    L, B, H, _, D = k_codes.shape
+    Tq = capacity_of(v_codes, value_bits)
+    layer = jnp.asarray(layer, jnp.int32)
+    in_range = (layer >= 0) & (layer < L)
+    at = jnp.clip(layer, 0, L - 1)
+    # the key scales of the layer in the stored channel order of the codes' rows
+    stored = stored_byte(np.arange(D), key_bits)
+    ks, km = (jnp.take(x[at], stored, axis=-1) for x in (k_scale, k_min))
+    held = jnp.clip(num_tokens.astype(jnp.int32), 0, Tq)
+    meta = jnp.stack([at, jnp.asarray(origin, jnp.int32)])
+    o_t, lse2 = _launch(
+        query_halves(q, H, sm_scale), k_codes, ks, km, v_codes, v_scale, v_min, held, meta,
+        jnp.asarray(inv_freq, jnp.float32), key_basis_halves(key_basis, key_bits, basis_scale),
+        swap_permutation(), key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+        splits=splits, stages=stages, sinks=sinks, basis_scale=basis_scale,
+        interpret=interpret,
+    )  # fmt: skip
+    g = q.shape[1] // H
+    o_parts = o_t.swapaxes(-1, -2)[..., :g, :]  # [B, Hkv, S, g, D]
+    o, lse = merge_partials(o_parts, lse2[..., :g] / LOG2E, axis=2)
+    o = jnp.where(in_range, o, jnp.nan)
+    return o.reshape(B, H * g, D), lse.reshape(B, H * g)
