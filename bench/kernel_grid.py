@@ -485,7 +485,8 @@ def main(argv=None) -> int:
         "--format-impl",
         default="auto",
         choices=("auto", "pallas", "xla", "reference"),
-        help="decode_attention's implementation for --formats (auto: the fp8 kernel on Hopper)",
+        help="decode_attention's implementation for --formats (auto on Hopper: the fp8 kernel; "
+        "best3 / best25's pre-RoPE kernel up to 16k slots per launch)",
     )
     ap.add_argument("--json", default=None, help="results file (rows and an env block)")
     a = ap.parse_args(argv)
