@@ -579,9 +579,27 @@ def _prerope_sinks(qg, cache: KiviCache, layer, num_tokens) -> tuple[Array, Arra
     (`read_keys`), float32."""
     n = jnp.minimum(cache.lengths, cache.max_len)
     j = jnp.broadcast_to(jnp.arange(cache.keys.sinks), (cache.batch, cache.keys.sinks))
-    k = cache.read_keys(cache.keys.gather(layer, j, n), j[:, None])
+    k = cache.read_keys(cache.keys.gather(layer, j, n), j[:, None], by_matrix=True)
     v = cache.values.gather(layer, j, n)
     return _softmax_attend(qg, k, v, j < jnp.minimum(num_tokens, n)[:, None])
+
+
+def _prerope_beside(qg, cache: KiviCache, layer, m) -> tuple[Array, Array]:
+    """What the pre-RoPE kernel leaves of a decode step, in one softmax: each row's quantized
+    sinks, positions [0, min(N, m)), and its tail [m, lengths) (`tail_attention`'s), read by
+    one gather (the sinks from their buffers, the tail from the windows), keys back to
+    post-RoPE (`read_keys`), float32."""
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    sinks, w = cache.keys.sinks, cache.tail_window
+    j = jnp.broadcast_to(jnp.arange(sinks), (cache.batch, sinks))
+    t = jnp.concatenate([j, n[:, None] - w + jnp.arange(w)], axis=1)  # [B, N + W]
+    held = jnp.concatenate(
+        [j < jnp.minimum(sinks, m)[:, None], (t[:, sinks:] >= m[:, None]) & (t[:, sinks:] >= 0)],
+        axis=1,
+    )
+    k = cache.read_keys(cache.keys.gather(layer, t, n), t[:, None], by_matrix=True)
+    v = cache.values.gather(layer, t, n)
+    return _softmax_attend(qg, k, v, held & (t < n[:, None]))
 
 
 def _kivi_pallas(
@@ -615,7 +633,7 @@ def _kivi_pallas(
             f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
         )
     m = cache.quantized_split()
-    call = lambda num_tokens, windows=None, out_dtype=jnp.float32: kernel_on_cache(
+    call = lambda num_tokens, windows=None, out_dtype=jnp.float32, sinks=True: kernel_on_cache(
         q,
         cache,
         layer,
@@ -625,7 +643,7 @@ def _kivi_pallas(
         tuning=tuning,
         low_precision=low_precision,
         windows=windows,
-        sinks=bool(cache.keys.sinks),
+        sinks=sinks and bool(cache.keys.sinks),
         out_dtype=out_dtype,
     )
     grouped = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
@@ -639,6 +657,9 @@ def _kivi_pallas(
             return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
+    if config.prerope_kernel_layout:  # the sinks and the tail in one pass beside the kernel
+        main = grouped(*_settled(*call(m, sinks=False), interpret))
+        return merge_partials([main, _prerope_beside(qg, cache, layer, m)])
     main = grouped(*_settled(*call(m), interpret))
     return merge_partials([main, tail_attention(qg, cache, layer, m)])
 

@@ -1177,15 +1177,19 @@ class KiviCache(_CacheOps):
             k = rotation.rotate(k).astype(k.dtype)
         return k, self.rotate_values(v)
 
-    def read_keys(self, k: Array, positions: Array) -> Array:
+    def read_keys(self, k: Array, positions: Array, *, by_matrix: bool = False) -> Array:
         """Keys k [..., D] at `positions` (broadcasting to k.shape[:-1]) as read from the
         stores (`QuantizedStore.gather`, `dense_layer`) -> the keys attention compares
         `rotate_query(q)` with: as stored, except that pre-RoPE keys are rotated back into
-        the model's basis and RoPE is applied again, in float32."""
+        the model's basis and RoPE is applied again, in float32. `by_matrix`: rotated back by
+        the matrix (`rotation.unrotate_rows`, one fused product; equal up to float32 rounding)
+        instead of the transform's stages, for the few keys a decode step reads beside a
+        kernel."""
         if not self.config.pre_rope:
             return k
-        k = rotation.unrotate(k) if self.config.rotates_keys else k.astype(jnp.float32)
-        return rotation.rope(k, positions, self.key_rope)
+        if self.config.rotates_keys:
+            k = rotation.unrotate_rows(k) if by_matrix else rotation.unrotate(k)
+        return rotation.rope(k.astype(jnp.float32), positions, self.key_rope)
 
     def _prefill(self, k: Array, v: Array, lengths: Array, recorded: Array) -> KiviCache:
         origin = None if self.seq_axis is None else self._origin()
