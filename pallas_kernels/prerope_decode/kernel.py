@@ -149,11 +149,11 @@ def check_inputs(
 
 
 def key_basis_halves(key_basis, key_bits: int, basis_scale: float):
-    """The basis matrix B [D, D] (a stored-order-free key row x in the model's channel order
-    before RoPE is x_rot B; identity if unrotated) as the kernel's two operands
+    """The basis B [D, D] (a dequantized key row x, channels in order, is x B in the model's
+    basis before RoPE: R^T for rotated keys, else the identity) as the kernel's two operands
     [2, D/2, D] fp16: half h, row c', column p is B[ch(p), h D/2 + c'] / basis_scale, ch(p) the
-    channel stored at byte p of a key row (`stored_byte`). With basis_scale 1/sqrt(D) a
-    Hadamard basis is +-1: exact in fp16."""
+    channel stored at byte p of a key row (`stored_byte`), so that the product also undoes the
+    byte swap. With basis_scale 1/sqrt(D) a Hadamard basis is +-1: exact in fp16."""
     d = key_basis.shape[0]
     rows = jnp.asarray(key_basis, jnp.float32)[stored_byte(np.arange(d), key_bits)] / basis_scale
     return rows.T.reshape(2, d // 2, d).astype(jnp.float16)
