@@ -526,7 +526,7 @@ def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, si
     """`pallas_kernels.prerope_decode.prerope_decode` over a cache of keys quantized before
     RoPE: (o [B, Hq, D], lse [B, Hq]) float32 of positions [N, num_tokens) (N sinks, whose
     codes are never read) and, with `sinks`, of the quantized sinks from their buffers
-    (`_prerope_sinks`). NotImplementedError for shapes the kernel does not take."""
+    (`_prerope_beside`). NotImplementedError for shapes the kernel does not take."""
     from pallas_kernels import prerope_decode as kernel
 
     config, d, group = cache.config, q.shape[-1], q.shape[1] // cache.kv_heads
@@ -569,28 +569,17 @@ def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, si
     qg = _group_query(q, cache.kv_heads, scale)
     part = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
-    o, lse = merge_partials([part, _prerope_sinks(qg, cache, layer, num_tokens)])
+    o, lse = merge_partials([part, _prerope_beside(qg, cache, layer, num_tokens, tail=False)])
     return o.reshape(q.shape), lse.reshape(q.shape[:2])
 
 
-def _prerope_sinks(qg, cache: KiviCache, layer, num_tokens) -> tuple[Array, Array]:
-    """Attention over each row's quantized sinks, positions [0, min(N, num_tokens)), read from
-    their buffers (`QuantizedStore.gather` overlays them), keys back to post-RoPE
-    (`read_keys`), float32."""
-    n = jnp.minimum(cache.lengths, cache.max_len)
-    j = jnp.broadcast_to(jnp.arange(cache.keys.sinks), (cache.batch, cache.keys.sinks))
-    k = cache.read_keys(cache.keys.gather(layer, j, n), j[:, None], by_matrix=True)
-    v = cache.values.gather(layer, j, n)
-    return _softmax_attend(qg, k, v, j < jnp.minimum(num_tokens, n)[:, None])
-
-
-def _prerope_beside(qg, cache: KiviCache, layer, m) -> tuple[Array, Array]:
+def _prerope_beside(qg, cache: KiviCache, layer, m, tail: bool = True) -> tuple[Array, Array]:
     """What the pre-RoPE kernel leaves of a decode step, in one softmax: each row's quantized
-    sinks, positions [0, min(N, m)), and its tail [m, lengths) (`tail_attention`'s), read by
-    one gather (the sinks from their buffers, the tail from the windows), keys back to
-    post-RoPE (`read_keys`), float32."""
+    sinks, positions [0, min(N, m)), and with `tail` its tail [m, lengths)
+    (`tail_attention`'s), read by one gather (the sinks from their buffers, the tail from the
+    windows), keys back to post-RoPE (`read_keys`), float32."""
     n = jnp.minimum(cache.lengths, cache.max_len)
-    sinks, w = cache.keys.sinks, cache.tail_window
+    sinks, w = cache.keys.sinks, cache.tail_window if tail else 0
     j = jnp.broadcast_to(jnp.arange(sinks), (cache.batch, sinks))
     t = jnp.concatenate([j, n[:, None] - w + jnp.arange(w)], axis=1)  # [B, N + W]
     held = jnp.concatenate(

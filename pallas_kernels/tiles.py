@@ -1,6 +1,7 @@
 """Shared-memory tiles and tensor-core products of the plain Pallas Mosaic GPU kernels
 (`pallas_kernels.fp8_decode`, `pallas_kernels.prerope_decode`), defined once: the swizzle of a
-tile, wgmma's N for a group of query heads, and a product of two shared-memory operands."""
+tile, a tile's allocation, wgmma's N for a group of query heads, a product of two shared-memory
+operands, and the interpreter option of a launch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ def swizzled(dtype, minor: int):
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
+
+
+def smem(shape, dtype, minor: int | None = None):
+    """A shared-memory tile of `shape`, swizzled for rows of `minor` elements (none: plain)."""
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(dtype, minor) if minor else ())
+
+
+def interpret_option(interpret) -> dict:
+    """`plgpu.kernel`'s keyword for a launch's `interpret`: False runs the kernel compiled,
+    True under the GPU interpreter's defaults, a `plgpu.InterpretGPUParams` under those."""
+    if not interpret:
+        return {}
+    return {"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
 
 
 def smem_product(a_ref, b_ref, shape):

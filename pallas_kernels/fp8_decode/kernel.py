@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.layout import CACHE_BLOCK, cache_slot
 from pallas_kernels.merge import merge_partials
-from pallas_kernels.tiles import padded_heads, swizzled
+from pallas_kernels.tiles import interpret_option, padded_heads, smem
 
 TILE = 64  # slots per tile: wgmma's M for the scores
 STAGES = 2  # tiles in flight per unit: the TMA copies run this far ahead of the compute
@@ -225,14 +225,6 @@ def _launch(qb, k8, k_scale, v8, v_scale, held, layer, group_size, splits, stage
     tiles = k8.shape[3] // TILE
     blocks_per_split = -(-(tiles // (CACHE_BLOCK // TILE)) // splits)
     per_split = blocks_per_split * (CACHE_BLOCK // TILE)
-    kw = {}
-    if interpret:
-        kw["interpret"] = (
-            interpret if not isinstance(interpret, bool) else plgpu.InterpretGPUParams()
-        )
-    smem = lambda shape, dtype, minor=None: plgpu.SMEM(
-        shape, dtype, transforms=swizzled(dtype, minor) if minor else ()
-    )
     return plgpu.kernel(
         _body(group_size, per_split, stages),
         out_type=(
@@ -255,7 +247,7 @@ def _launch(qb, k8, k_scale, v8, v_scale, held, layer, group_size, splits, stage
             plgpu.Barrier(num_arrivals=4, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
-        **kw,
+        **interpret_option(interpret),
     )(qb, k8, k_scale, v8, v_scale, held, layer)
 
 

@@ -59,7 +59,7 @@ from pallas_kernels.layout import (
     value_codes_blocked,
 )
 from pallas_kernels.merge import merge_partials
-from pallas_kernels.tiles import padded_heads, smem_product, swizzled
+from pallas_kernels.tiles import interpret_option, padded_heads, smem, smem_product
 
 # Code blocks in flight per unit. One: a unit then holds ~95 KB of shared memory at D = 128 and
 # two are resident per SM, whose interleaving hides more of a unit's serial steps (products
@@ -137,13 +137,13 @@ def check_inputs(
     if q.shape[1] // H > MAX_GROUP_HEADS:
         group = q.shape[1] // H
         raise ValueError(f"at most {MAX_GROUP_HEADS} query heads per kv head, got {group}")
+    arrays.update(q=q, k_codes=k_codes)
     for name in ("k_codes", "v_codes"):
-        if (k_codes if name == "k_codes" else v_codes).dtype != jnp.uint8:
+        if arrays[name].dtype != jnp.uint8:
             raise ValueError(f"{name} must be uint8 (packed codes)")
     for name in ("q", "k_scale", "k_min", "v_scale", "v_min", "inv_freq", "key_basis"):
-        x = q if name == "q" else arrays[name]
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+        if not jnp.issubdtype(arrays[name].dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {arrays[name].dtype}")
     if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
         raise ValueError(f"num_tokens must be integer, got {num_tokens.dtype}")
 
@@ -227,7 +227,7 @@ def _keys(k_s, ks_s, km_s, freq_s, basis_s, slot, quarter, first_slot, origin,
         acc = plgpu.ACC((CACHE_PLANE, half), jnp.float32)
         return pl.run_scoped(products, acc, acc)
 
-    lo, hi = pl.run_scoped(basis, _smem(codes.shape, jnp.float16))
+    lo, hi = pl.run_scoped(basis, smem(codes.shape, jnp.float16, codes.shape[-1]))
     position = origin + cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, lo.shape, 0))
     cos, sin = _cos_sin(position.astype(jnp.float32) * freq_s[...][None, :])
     cos, sin = cos * basis_scale, sin * basis_scale
@@ -244,7 +244,7 @@ def _scores(q_s, lo, hi):
         shape = (lo.shape[0], q_s.shape[1])
         return _product2(kr_s.at[0], q_s.at[0].T, kr_s.at[1], q_s.at[1].T, shape)
 
-    return pl.run_scoped(product, _smem((2, *lo.shape), jnp.float16))
+    return pl.run_scoped(product, smem((2, *lo.shape), jnp.float16, lo.shape[-1]))
 
 
 def _product2(a1, b1, a2, b2, shape):
@@ -287,20 +287,15 @@ def _values(p, v_s, vs_s, perm_s, slot, quarter, *, value_bits, group_size):
 
     parts = pl.run_scoped(
         product,
-        _smem((J * N, CACHE_PLANE), jnp.bfloat16),  # P_j, slot order
-        _smem((J * N, CACHE_PLANE), jnp.bfloat16),  # P_j, V^T's column order
-        _smem((D, CACHE_PLANE), jnp.bfloat16),  # the plane's value codes
+        smem((J * N, CACHE_PLANE), jnp.bfloat16, CACHE_PLANE),  # P_j, slot order
+        smem((J * N, CACHE_PLANE), jnp.bfloat16, CACHE_PLANE),  # P_j, V^T's column order
+        smem((D, CACHE_PLANE), jnp.bfloat16, CACHE_PLANE),  # the plane's value codes
     )
     row_group = lax.broadcasted_iota(jnp.int32, (D, N), 0) // group_size
     out = parts[0]
     for g in range(1, J):
         out = jnp.where(row_group == g, parts[g], out)
     return out
-
-
-def _smem(shape, dtype):
-    """A swizzled shared-memory tile of `shape` (its rows the last axis)."""
-    return plgpu.SMEM(shape, dtype, transforms=swizzled(dtype, shape[-1]))
 
 
 def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale):
@@ -425,14 +420,6 @@ def _launch(
     per_split = -(-(Tq // CACHE_BLOCK) // splits)
     J = D // group_size
     k_pieces, v_pieces = 4 // codes_per_byte(key_bits), 4 // codes_per_byte(value_bits)
-    kw = {}
-    if interpret:
-        kw["interpret"] = (
-            interpret if not isinstance(interpret, bool) else plgpu.InterpretGPUParams()
-        )
-    smem = lambda shape, dtype, minor=None: plgpu.SMEM(
-        shape, dtype, transforms=swizzled(dtype, minor) if minor else ()
-    )
     copies = k_pieces + v_pieces + 4
     return plgpu.kernel(
         _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale),
@@ -457,7 +444,7 @@ def _launch(
             plgpu.Barrier(num_arrivals=4, num_barriers=1),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),  # `_cos_sin`, exp2
-        **kw,
+        **interpret_option(interpret),
     )(qh, k_codes, ks, km, v_codes, vs, vm, held, meta, freq, basis, perm)
 
 
