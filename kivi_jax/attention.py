@@ -446,16 +446,20 @@ def kernel_on_cache(
     low_precision: bool = False,
     windows=None,
     sinks: bool = False,
+    skip_sinks: bool = False,
     out_dtype=jnp.float32,
 ) -> tuple[Array, Array]:
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D] in
     `out_dtype`, lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the
     cache's windows too, num_tokens being the rows' lengths, capped at the cache's max_len).
     `sinks`: attend the cache's sinks from their buffers too (those below the quantized split;
-    the kernel's `sinks`). An fp8 cache (`KiviConfig.fp8_kernel_layout`) runs
-    `pallas_kernels.fp8_decode`, which takes neither windows nor sinks; a cache of keys
-    quantized before RoPE (`prerope_kernel_layout`) `pallas_kernels.prerope_decode`, which
-    takes no windows (its sinks are attended beside it)."""
+    the kernel's `sinks`). `skip_sinks`: skip the store's first N slots (N sinks) without
+    attending the buffers, as a token shard's kernel does (its first slots are the sinks on
+    the first shard only; `parallel.local_attention` attends them beside it). An fp8 cache
+    (`KiviConfig.fp8_kernel_layout`) runs `pallas_kernels.fp8_decode`, which takes neither
+    windows nor sinks; a cache of keys quantized before RoPE (`prerope_kernel_layout`)
+    `pallas_kernels.prerope_decode`, which takes no windows and masks the sinks by position
+    (attended beside it)."""
     if cache.config.prerope_kernel_layout:
         if windows is not None:
             raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
@@ -469,7 +473,7 @@ def kernel_on_cache(
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values
-    n_sinks = k.sinks if sinks else 0
+    n_sinks = k.sinks if sinks or skip_sinks else 0
     return kernel.kivi_decode(
         q,
         k.codes,
@@ -490,7 +494,7 @@ def kernel_on_cache(
         windows=windows,
         max_len=cache.max_len if windows else 0,
         skip=n_sinks,
-        sinks=(k.sink, v.sink) if n_sinks else None,
+        sinks=(k.sink, v.sink) if sinks and n_sinks else None,
         out_dtype=out_dtype,
     )
 
@@ -694,18 +698,12 @@ PRE_ROPE_KERNEL_TOKENS = 16384
 def _kernel_applies(q: Array, cache: KiviCache) -> bool:
     """Whether "auto" should try a Pallas kernel: a Hopper GPU, a 16-bit q, and KIVI axes with
     fp16 scales (what the integer kernel reads), an fp8 cache (`fp8_kernel_layout`) or a small
-    one of keys before RoPE on one device (`prerope_kernel_layout`, PRE_ROPE_KERNEL_TOKENS);
-    finer limits raise NotImplementedError there."""
+    one of keys before RoPE (`prerope_kernel_layout`, PRE_ROPE_KERNEL_TOKENS: a token
+    shard's slots on a sequence-sharded cache); finer limits raise NotImplementedError there."""
     config = cache.config
-    integer = (
-        config.kernel_layout
-        and (cache.seq_axis is None or not config.sinks)
-        and config.scale_dtype == "float16"
-    )
+    integer = config.kernel_layout and config.scale_dtype == "float16"
     prerope = (
-        config.prerope_kernel_layout
-        and cache.seq_axis is None
-        and cache.batch * cache.keys.capacity <= PRE_ROPE_KERNEL_TOKENS
+        config.prerope_kernel_layout and cache.batch * cache.keys.capacity <= PRE_ROPE_KERNEL_TOKENS
     )
     kernels = integer or config.fp8_kernel_layout or prerope
     return pallas_available() and q.dtype in _SIXTEEN_BIT and kernels

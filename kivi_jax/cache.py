@@ -755,16 +755,18 @@ class QuantizedStore:
             jnp.zeros_like(self.outlier_channel).at[..., : s_pad // g, :].set(idx),
         )
 
-    def gather(self, layer, t: Array, lengths: Array) -> Array:
+    def gather(self, layer, t: Array, lengths: Array, origin=0) -> Array:
         """Full-precision float32 K or V of `layer` at positions t [B, N] -> [B, Hkv, N, D].
 
-        Quantized positions are dequantized, the newest come from the residual; positions a row
-        does not hold read as garbage and must be masked by the caller.
+        Quantized positions are dequantized (slot t - origin: a shard of the token axis holds
+        positions from `origin`), the sinks come from their buffers and the newest from the
+        residual; positions a row (or a shard) does not hold read as garbage and must be masked
+        by the caller.
         """
         nb = t.shape[0]
         b = jnp.arange(nb)[:, None]
         tq = self.capacity
-        tc = jnp.clip(t, 0, tq - 1)
+        tc = jnp.clip(t - origin, 0, tq - 1)
         rows, shifts = token_rows(tc, self.bits)
         if self.blocked:
             col = stored_byte(rows, self.bits)

@@ -34,6 +34,8 @@ from kivi_jax.attention import (
     _check_scale,
     _group_query,
     _kernel_applies,
+    _prerope_beside,
+    _softmax_attend,
     kernel_on_cache,
     merge_across,
     merge_partials,
@@ -56,25 +58,43 @@ def _mesh_axis(rules: Mapping, name: str) -> str | None:
 
 def local_attention(qg, q, cache: KiviCache, layer, seq_axis, impl, scale, interpret):
     """(o [B, Hkv, r, D], lse [B, Hkv, r]) of this device's quantized positions, and on the
-    first shard of `seq_axis` the windows too."""
-    if cache.config.pre_rope:  # the windows are attended as stored (tail_attention)
-        raise NotImplementedError("sequence-parallel attention over pre-RoPE keys")
+    first shard of `seq_axis` the windows and the sinks too."""
     shard = lax.axis_index(seq_axis)
     cap = cache.keys.capacity  # this shard's positions [shard * cap, (shard + 1) * cap)
     m = cache.quantized_split()  # global: lengths and windows are replicated over the axis
     m_local = jnp.clip(m - shard * cap, 0, cap)
+    config = cache.config
+    parts, beside = [], tail_attention
     if impl == "pallas":
-        if cache.config.sinks:  # the kernel skips a static prefix: the first shard's alone
-            raise NotImplementedError("the kernel on token shards of a cache with sinks")
-        o, lse = kernel_on_cache(q, cache, layer, m_local, scale=scale, interpret=interpret)
-        main = (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
-    elif cache.config.plain_kivi:
-        main = quantized_region_folded(qg, cache.keys, cache.values, layer, m_local)
-    else:
-        main = quantized_region_dense(qg, cache, layer, m_local)
-    o_w, lse_w = tail_attention(qg, cache, layer, m)
-    lse_w = jnp.where(shard == 0, lse_w, -jnp.inf)  # the windows count once
-    return merge_partials([main, (o_w, lse_w)])
+        # The integer kernel skips a static count of slots: every shard's first N (N sinks),
+        # attended beside it (the first shard's are the sinks, read from their buffers). The
+        # pre-RoPE kernel masks the sinks by position; they are attended with the tail.
+        o, lse = kernel_on_cache(
+            q, cache, layer, m_local, scale=scale, interpret=interpret, skip_sinks=True
+        )
+        parts.append((o.reshape(qg.shape), lse.reshape(qg.shape[:-1])))
+        if config.prerope_kernel_layout:
+            beside = _prerope_beside
+        elif config.sinks:
+            parts.append(_first_slots(qg, cache, layer, m, shard * cap))
+    elif config.plain_kivi:
+        parts.append(quantized_region_folded(qg, cache.keys, cache.values, layer, m_local))
+    else:  # sinks, other formats, keys before RoPE (read back at the shard's positions)
+        parts.append(quantized_region_dense(qg, cache, layer, m_local))
+    o_w, lse_w = beside(qg, cache, layer, m)
+    lse_w = jnp.where(shard == 0, lse_w, -jnp.inf)  # the windows (and sinks) count once
+    return merge_partials([*parts, (o_w, lse_w)])
+
+
+def _first_slots(qg, cache: KiviCache, layer, m, origin) -> tuple[Array, Array]:
+    """Attention over a token shard's first N slots (N sinks; positions origin + [0, N) below
+    the quantized split m), which the integer kernel skips: on the first shard the sinks from
+    their buffers, elsewhere quantized positions. Keys as stored (q is in their basis)."""
+    n = jnp.minimum(cache.lengths, cache.max_len)
+    t = origin + jnp.broadcast_to(jnp.arange(cache.keys.sinks), (cache.batch, cache.keys.sinks))
+    k = cache.keys.gather(layer, t, n, origin)
+    v = cache.values.gather(layer, t, n, origin)
+    return _softmax_attend(qg, k, v, (t < m[:, None]) & (t < n[:, None]))
 
 
 def shard_attention(qg, q, cache: KiviCache, layer, implementation, scale, interpret) -> Array:
@@ -140,9 +160,7 @@ def sequence_parallel_attention(
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
     seq_axis, specs = _sequence_sharding(cache, mesh, rules)
-    impl = implementation
-    if impl == "auto":
-        impl = "pallas" if _kernel_applies(q, cache) else "folded"
+    impl = implementation  # "auto" is decided inside, on a shard's cache (`shard_attention`)
     layer, in_range = check_layer(layer, cache.num_layers)
     layer = runtime_layer(layer)
     q_spec = logical_to_mesh(jax.P("batch", "kv_heads", None), rules)

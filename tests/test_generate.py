@@ -239,6 +239,21 @@ def test_greedy_over_a_seq_mesh_equals_unsharded(smol, kivi_short_window, shape,
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_best3_over_a_seq_mesh_equals_unsharded(smol):
+    """`best3` (keys quantized before RoPE, 8 sinks, rotated) with R = 32 over "seq": each
+    shard's keys turned by RoPE at its own positions, the same greedy tokens as on one
+    device."""
+    config, params, _ = smol
+    kw = dict(cache="best3", max_new_tokens=24, residual_length=32)
+    ids = [c["ids"] for c in CASES]
+    want = G.generate(params, config, ids, **kw)
+    mesh = jax.make_mesh(
+        (4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
+    )
+    assert G.generate(params, config, ids, mesh=mesh, **kw).tokens == want.tokens
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 def test_seq_mesh_decode_loop_moves_no_cache_bytes(smol):
     """The compiled decode loop over data=2 x seq=4: its only collectives are all-reduces (the
     attention merge's max and sums, the loop's all-done vote), none of a cache array's size."""

@@ -29,7 +29,7 @@ def _mesh(data, model, seq, explicit=False):
     )
 
 
-def _cache(name, group_size, max_len=2048, residual=128, lengths=LENGTHS, seed=0):
+def _cache(name, group_size, max_len=2048, residual=128, lengths=LENGTHS, seed=0, **knobs):
     c = kj.make_cache(
         name,
         num_layers=L,
@@ -40,6 +40,7 @@ def _cache(name, group_size, max_len=2048, residual=128, lengths=LENGTHS, seed=0
         dtype=jnp.float32,
         residual_length=residual,
         group_size=group_size,
+        **knobs,
     )
     s = max(max(lengths), 1)
     k, v = (
@@ -130,13 +131,6 @@ def test_errors():
         kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=no_seq)
     with pytest.raises(ValueError, match="implementation"):
         kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=mesh, implementation="x")
-    pre = kj.KiviCache.init(
-        kj.KiviConfig(2, 2, 32, 128, pre_rope=True), num_layers=L, batch=4, kv_heads=HKV,
-        head_dim=D, max_len=1024, dtype=jnp.float32,
-        rope_frequencies=1.0 / 10000 ** (np.arange(0, D, 2) / D),
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="pre-RoPE"):
-        kj.sequence_parallel_attention(q, shard_cache(pre, mesh, LONG_CONTEXT_RULES), 0, mesh=mesh)
 
 
 def _gathered_equal(a, b):
@@ -281,3 +275,87 @@ def test_formats_sinks_rotation_and_outliers_on_token_shards(cfg):
     ref = kj.decode_attention(q, want, 1, implementation="reference")
     out = jax.jit(lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh))(q, got)
     np.testing.assert_allclose(out, ref, atol=2e-5 * float(jnp.abs(ref).max()), rtol=0)
+
+
+ROPE = 1.0 / 10000 ** (np.arange(0, D, 2) / D)  # the model's inverse frequencies
+
+
+@pytest.mark.parametrize("sinks,mesh_shape", [(8, (1, 1, 4)), (300, (1, 2, 2))], ids=str)
+def test_the_kernel_on_token_shards_of_a_cache_with_sinks(sinks, mesh_shape, monkeypatch):
+    """KIVI-2 with sinks, keys and values rotated: "pallas" on token shards skips every
+    shard's first N slots in the kernel and attends them beside it (the first shard's are the
+    sinks, from their buffers, counted once), equal to the unsharded reference; 300 sinks
+    reach past a whole block of the first shard. The kernel's float32 twin runs in its place
+    (the GPU interpreter runs one device at a time; the kernel against its twin, skip and
+    sinks included, is tests/test_kivi_decode_numerics.py's)."""
+    from pallas_kernels import kivi_decode
+
+    monkeypatch.setattr(kivi_decode, "kivi_decode", kivi_decode.kivi_decode_reference)
+    mesh = _mesh(*mesh_shape)
+    cache = _cache("kivi2", 32, sinks=sinks, rotation="both")
+    q = _query(cache.batch).astype(jnp.float16)  # what the kernel takes
+    want = np.asarray(
+        kj.decode_attention(q.astype(jnp.float32), cache, 1, implementation="reference")
+    )
+    got = jax.jit(
+        lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh, implementation="pallas")
+    )(q, shard_cache(cache, mesh, LONG_CONTEXT_RULES))
+    # float32 inside, the output rounded to q's fp16 (2^-11 of each value)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), want, atol=1e-3 * float(np.abs(want).max()), rtol=0
+    )
+    assert np.all(np.asarray(got)[2] == 0)  # the empty row
+
+
+@pytest.mark.parametrize("name", ["best3", "best25"])
+def test_keys_before_rope_on_token_shards(name, monkeypatch):
+    """Caches of keys quantized before RoPE (8 sinks, keys and values rotated): written where
+    the tokens are (bit for bit), and attended with each shard's keys turned by RoPE at that
+    shard's positions, the sinks and the windows once, on the first shard: "folded" (the
+    layer dequantized in XLA) and "pallas" equal the unsharded reference. On the shards
+    "pallas" runs the kernel's float32 twin in the kernel's place (the GPU interpreter runs
+    one device at a time); the kernel itself against its twin, an origin included, is
+    tests/test_prerope_decode.py's, and on a mesh of one it runs below."""
+    from pallas_kernels import prerope_decode
+
+    mesh = _mesh(1, 1, 4)
+    c0 = _cache(name, None, lengths=[0, 0, 0, 0], rope_frequencies=ROPE)
+    k, v = (jax.random.normal(jax.random.key(i), (L, 4, HKV, 1900, D)) for i in (3, 4))
+    n = jnp.asarray(LENGTHS, jnp.int32)
+    want = c0.prefill(k, v, n)
+    sharded = shard_cache(c0, mesh, LONG_CONTEXT_RULES)
+    got = jax.jit(lambda c, k, v, n: kj.sequence_parallel_prefill(c, k, v, n, mesh=mesh))(
+        sharded, k, v, n
+    )
+    kt, vt = (jax.random.normal(jax.random.key(30 + j), (L, 4, HKV, D)) for j in (0, 1))
+    got = kj.sequence_parallel_append(got, kt, vt, mesh=mesh)
+    want = want.append(kt, vt)
+    _gathered_equal(got, want)
+
+    q = _query(4)
+    ref = np.asarray(kj.decode_attention(q, want, 1, implementation="reference"))
+    atol = 2e-5 * float(np.abs(ref).max())
+    attend = lambda impl: jax.jit(
+        lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh, implementation=impl)
+    )(q, got)
+    np.testing.assert_allclose(attend("folded"), ref, atol=atol, rtol=0)
+    monkeypatch.setattr(prerope_decode, "prerope_decode", prerope_decode.prerope_decode_reference)
+    np.testing.assert_allclose(attend("pallas"), ref, atol=atol, rtol=0)
+
+
+def test_keys_before_rope_kernel_on_a_mesh_of_one():
+    """The pre-RoPE kernel itself (GPU interpreter, race detection) under
+    sequence_parallel_attention on a mesh of one, against the unsharded reference."""
+    mesh = _mesh(1, 1, 1)
+    lengths = [700, 3]
+    c = _cache("best3", None, max_len=1024, lengths=lengths, rope_frequencies=ROPE)
+    q = _query(len(lengths)).astype(jnp.float16)
+    ref = np.asarray(kj.decode_attention(q.astype(jnp.float32), c, 0, implementation="reference"))
+    out = kj.sequence_parallel_attention(
+        q, shard_cache(c, mesh, LONG_CONTEXT_RULES), 0, mesh=mesh, implementation="pallas",
+        interpret=True,
+    )  # fmt: skip
+    # q in fp16 and the kernel's fp16 / bf16 operands (test_prerope_decode's bound)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), ref, atol=4e-3 * float(np.abs(ref).max()), rtol=0
+    )

@@ -52,6 +52,7 @@ def _running_max(x, tuning: TuningConfig):
         "value_bits",
         "group_size",
         "sm_scale",
+        "low_precision",
         "fp8_values",
         "tuning",
         "max_len",
@@ -76,6 +77,7 @@ def kivi_decode_reference(
     sm_scale: float,
     tuning=None,
     interpret=False,
+    low_precision: bool = False,
     fp8_values: bool = False,
     windows=None,
     max_len: int = 0,
@@ -85,12 +87,13 @@ def kivi_decode_reference(
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
-    outputs as `kivi_decode` (tuning/interpret ignored). fp8_values (G = D): P * s_t rounded
-    to e4m3 through fp16 as the kernel does with `TuningConfig.fp8_values`, relative to the
-    kernel's running max of logit + ln s_t (per split, updated every sub-step; `tuning` gives
-    the splits and sub-steps, default `choose_tuning`'s), so the rounding is the kernel's up to
-    f32 arithmetic."""
+    outputs as `kivi_decode` (tuning and interpret ignored; low_precision is fp8_values).
+    fp8_values (G = D): P * s_t rounded to e4m3 through fp16 as the kernel does with
+    `TuningConfig.fp8_values`, relative to the kernel's running max of logit + ln s_t (per
+    split, updated every sub-step; `tuning` gives the splits and sub-steps, default
+    `choose_tuning`'s), so the rounding is the kernel's up to f32 arithmetic."""
     del interpret
+    fp8_values = fp8_values or low_precision  # the kernel's name for the fp8 value product
     out_dtype = check_out_dtype(out_dtype)
     L, B, Hq, Hkv, D, Tq = check_inputs(
         q,
