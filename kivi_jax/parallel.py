@@ -14,6 +14,8 @@ each device's cache knows its shard (`KiviCache.seq_axis`): every device writes 
 into its copy of the windows, and codes and scales only at the positions it holds, so the
 result is the unsharded cache bit for bit with no communication.
 
+A `MixedCache` (per-layer configs) is sharded part by part, each part a KiviCache as above.
+
 The sharding follows the logical axis rules of `kivi_jax.sharding` (`LONG_CONTEXT_RULES`: rows
 over "data", kv heads over "model", tokens over "seq"); the query's rows and heads follow the
 cache's rows and kv heads.
@@ -44,9 +46,11 @@ from kivi_jax.attention import (
     tail_attention,
 )
 from kivi_jax.cache import BLOCK_TOKENS, KiviCache, check_layer, runtime_layer
+from kivi_jax.mixed import MixedCache
 from kivi_jax.sharding import LONG_CONTEXT_RULES, cache_specs, logical_to_mesh
 
 IMPLEMENTATIONS = ("auto", "folded", "pallas")
+ShardedCache = KiviCache | MixedCache  # a MixedCache's parts are sharded alike
 
 
 def _mesh_axis(rules: Mapping, name: str) -> str | None:
@@ -131,7 +135,7 @@ def on_token_shards(fn, seq_axis: str):
 
 def sequence_parallel_attention(
     q: Array,
-    cache: KiviCache,
+    cache: ShardedCache,
     layer,
     *,
     mesh: Mesh,
@@ -142,7 +146,8 @@ def sequence_parallel_attention(
 ) -> Array:
     """Decode attention over `layer` of a KIVI cache whose token axes are sharded over a mesh
     axis (`rules["cache_seq"]`, default `LONG_CONTEXT_RULES`: "seq"), computed where the tokens
-    are; returns [B, Hq, D] in q.dtype, equal to `decode_attention` up to float32 rounding.
+    are; returns [B, Hq, D] in q.dtype, equal to `decode_attention` up to float32 rounding. A
+    `MixedCache` (per-layer configs) is attended in the part that holds `layer`.
 
     implementation: "pallas" (the kernel per shard, Hopper GPUs, or `interpret=True`),
     "folded" (jnp), "auto" (the kernel where it applies, else "folded"). The cache's arrays
@@ -155,8 +160,16 @@ def sequence_parallel_attention(
     rules = LONG_CONTEXT_RULES if rules is None else rules
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if not isinstance(cache, KiviCache):
-        raise ValueError(f"cache must be a KiviCache, got {type(cache).__name__}")
+    if isinstance(cache, MixedCache):  # the layer's part (`MixedCache.route`)
+        _parts(cache)
+        kw = dict(mesh=mesh, rules=rules, implementation=implementation, scale=scale)
+        return cache.route(
+            layer,
+            lambda i, local: sequence_parallel_attention(
+                q, cache.parts[i], local, **kw, interpret=interpret
+            ),
+        )
+    _parts(cache)
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
     seq_axis, specs = _sequence_sharding(cache, mesh, rules)
@@ -186,9 +199,20 @@ def sequence_parallel_attention(
     return o
 
 
-def _sequence_sharding(cache: KiviCache, mesh: Mesh, rules: Mapping):
+def _parts(cache) -> tuple[KiviCache, ...]:
+    """The KiviCaches a sequence-sharded cache is made of: itself, or a MixedCache's parts;
+    ValueError for anything else."""
+    if isinstance(cache, KiviCache):
+        return (cache,)
+    if isinstance(cache, MixedCache):
+        return cache.parts
+    raise ValueError(f"cache must be a KiviCache or a MixedCache, got {type(cache).__name__}")
+
+
+def _sequence_sharding(cache: ShardedCache, mesh: Mesh, rules: Mapping):
     """The mesh axis of the token axes and the cache's PartitionSpecs under `rules`; checks
-    that the shards hold whole blocks and that the tail reads the windows alone."""
+    that the shards hold whole blocks and that the tail reads the windows alone (in every
+    part of a MixedCache)."""
     seq_axis = _mesh_axis(rules, "cache_seq")
     if seq_axis is None or seq_axis not in mesh.axis_names:
         raise ValueError(f"rules map the tokens to {seq_axis!r}, not an axis of {mesh.axis_names}")
@@ -196,16 +220,17 @@ def _sequence_sharding(cache: KiviCache, mesh: Mesh, rules: Mapping):
         if _mesh_axis(rules, name) != seq_axis:
             raise ValueError(f"rule {name!r} must map to the tokens' axis {seq_axis!r}")
     shards = mesh.shape[seq_axis]
-    if cache.keys.capacity % (BLOCK_TOKENS * shards):
-        raise ValueError(
-            f"capacity {cache.keys.capacity} does not split into whole blocks of {BLOCK_TOKENS} "
-            f"tokens over {shards} shards of {seq_axis!r}: make max_len a multiple of "
-            f"{BLOCK_TOKENS * shards}"
-        )
-    if not cache.windows_aligned:
-        raise NotImplementedError(
-            "sequence-parallel attention needs key and value windows of one size (R >= G)"
-        )
+    for part in _parts(cache):
+        if part.keys.capacity % (BLOCK_TOKENS * shards):
+            raise ValueError(
+                f"capacity {part.keys.capacity} does not split into whole blocks of "
+                f"{BLOCK_TOKENS} tokens over {shards} shards of {seq_axis!r}: make max_len a "
+                f"multiple of {BLOCK_TOKENS * shards}"
+            )
+        if not part.windows_aligned:
+            raise NotImplementedError(
+                "sequence-parallel attention needs key and value windows of one size (R >= G)"
+            )
     specs = cache_specs(cache, rules)
     return seq_axis, specs
 
@@ -223,18 +248,17 @@ def _place(mesh: Mesh, args, specs):
     )
 
 
-def _per_shard(fn, cache: KiviCache, mesh: Mesh, rules: Mapping | None, args, arg_specs):
+def _per_shard(fn, cache: ShardedCache, mesh: Mesh, rules: Mapping | None, args, arg_specs):
     """fn(local cache, *args) -> local cache, run where the tokens are: each device's cache
     holds its shard of the token axis (`KiviCache.seq_axis`) and writes only its positions."""
     rules = LONG_CONTEXT_RULES if rules is None else rules
-    if not isinstance(cache, KiviCache):
-        raise ValueError(f"cache must be a KiviCache, got {type(cache).__name__}")
     seq_axis, specs = _sequence_sharding(cache, mesh, rules)
-    if cache.keys.capacity // mesh.shape[seq_axis] % cache.keys.window:
-        raise ValueError(
-            f"each shard's {cache.keys.capacity // mesh.shape[seq_axis]} positions must be whole "
-            f"key blocks of {cache.keys.window}"
-        )
+    for part in _parts(cache):
+        if part.keys.capacity // mesh.shape[seq_axis] % part.keys.window:
+            raise ValueError(
+                f"each shard's {part.keys.capacity // mesh.shape[seq_axis]} positions must be "
+                f"whole key blocks of {part.keys.window}"
+            )
     arg_specs = tuple(logical_to_mesh(a, rules) for a in arg_specs)
 
     local = on_token_shards(fn, seq_axis)
@@ -244,7 +268,7 @@ def _per_shard(fn, cache: KiviCache, mesh: Mesh, rules: Mapping | None, args, ar
     )(cache, *args)
 
 
-def sequence_parallel_append(cache: KiviCache, k: Array, v: Array, *, mesh: Mesh, rules=None):
+def sequence_parallel_append(cache: ShardedCache, k: Array, v: Array, *, mesh: Mesh, rules=None):
     """`cache.append(k, v)` (k, v [L, B, Hkv, D]) on a cache whose token axes are sharded over
     a mesh axis: every device writes the token into its replicated windows and quantizes what
     leaves them only where it holds the positions, so no cache byte crosses devices. Equal to
@@ -254,7 +278,7 @@ def sequence_parallel_append(cache: KiviCache, k: Array, v: Array, *, mesh: Mesh
 
 
 def sequence_parallel_prefill(
-    cache: KiviCache, k: Array, v: Array, lengths: Array, *, mesh: Mesh, rules=None
+    cache: ShardedCache, k: Array, v: Array, lengths: Array, *, mesh: Mesh, rules=None
 ):
     """`cache.prefill(k, v, lengths)` (k, v [L, B, Hkv, S, D], replicated over the token
     axis's mesh axis) on a cache whose token axes are sharded over it: each device quantizes
@@ -264,7 +288,7 @@ def sequence_parallel_prefill(
 
 
 def sequence_parallel_extend(
-    cache: KiviCache, k: Array, v: Array, counts: Array, *, mesh: Mesh, rules=None
+    cache: ShardedCache, k: Array, v: Array, counts: Array, *, mesh: Mesh, rules=None
 ):
     """`cache.extend(k, v, counts)` (a chunk k, v [L, B, Hkv, C, D], replicated over the token
     axis's mesh axis; chunked prefill) on a cache whose token axes are sharded over it: every
@@ -274,7 +298,7 @@ def sequence_parallel_extend(
     return _tokens_per_shard("extend", cache, k, v, counts, mesh, rules)
 
 
-def _tokens_per_shard(method: str, cache: KiviCache, k, v, per_row, mesh, rules):
+def _tokens_per_shard(method: str, cache: ShardedCache, k, v, per_row, mesh, rules):
     """`cache.<method>(k, v, per_row)` for k, v [L, B, Hkv, S, D] replicated over the token
     axis's mesh axis and per_row [B] (prefill's lengths, extend's counts), per shard."""
     spec = jax.P(None, "batch", "kv_heads", None, None)

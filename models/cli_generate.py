@@ -68,7 +68,7 @@ def generate(
         typer.Option(
             "--layer-override",
             help="'LAYERS FIELD=VALUE ...' (e.g. '15-18 key_bits=4'): those layers' KiviConfig "
-            "fields changed (quantized caches, Llama family, one device); repeatable.",
+            "fields changed (quantized caches, Llama family); repeatable.",
         ),
     ] = None,
     implementation: str = typer.Option(
@@ -136,8 +136,6 @@ def generate(
             raise ValueError("--mesh splits a KIVI cache's tokens: pick a KIVI --cache")
         if mesh_axes and stream:
             raise ValueError("--mesh runs the jitted generation loop: drop --stream")
-        if mesh_axes and overrides:
-            raise ValueError("--layer-override runs on one device: drop --mesh")
         if prefill_chunk is not None:
             checks.check_positive(prefill_chunk, "--prefill-chunk")
             if stream:

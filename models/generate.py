@@ -499,7 +499,7 @@ def generate(
     residual_length, sinks, rotation, outlier_channels and pre_rope as
     `kivi_jax.cache_config` takes them; layer_overrides, (layers, KiviConfig fields) pairs
     (`kivi_jax.mixed.parse_override`), change the config in those layers (a
-    `kivi_jax.MixedCache`; Llama family, one device). Rows stop
+    `kivi_jax.MixedCache`; Llama family). Rows stop
     at any of `stop_ids`. Raises ValueError if prompt plus output exceeds the model's
     max_position_embeddings. Stacked params are unstacked for the call on GPUs (`decode_layout`);
     pass `decode_layout(params, config)` to skip that copy on repeated calls.
@@ -519,11 +519,6 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if layer_overrides and mesh is not None:
-        raise NotImplementedError(
-            "layer overrides run on one device: kivi_jax.parallel shards a KiviCache, and a "
-            "MixedCache holds one per configuration"
-        )
     if prefill_chunk is not None and (
         not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
     ):

@@ -140,8 +140,24 @@ def test_layer_overrides_reach_generate_and_stream(smol):
     )
     named = G.generate(params, config, [ids], cache="k4v2", max_new_tokens=8, **knobs)
     assert k4.tokens == named.tokens and k4.cache_bytes == named.cache_bytes
-    with pytest.raises(NotImplementedError, match="one device"):
-        G.generate(params, config, [ids], cache="kivi2", layer_overrides=mixed, mesh=object())
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_layer_overrides_over_a_seq_mesh_equal_one_device(smol):
+    """Per-layer configurations (a MixedCache: post- and pre-RoPE parts, 8 sinks, rotated)
+    over "seq", each part sharded alike: a 600-token prompt spans more than one shard, and
+    the greedy tokens are the one-device ones."""
+    config, params, tok = smol
+    ids = tok.encode("The grass is green. The sky is blue. The sun is yellow. " * 45)[:600]
+    mixed = [((0, 1, 2, 20), dict(key_bits=4)), ((5, 6), dict(group_size=64, pre_rope=True))]
+    kw = dict(cache="kivi2", max_new_tokens=8, group_size=32, residual_length=64, sinks=8)
+    kw.update(rotation="both", layer_overrides=mixed)
+    want = G.generate(params, config, [ids], **kw)
+    mesh = jax.make_mesh(
+        (4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
+    )
+    got = G.generate(params, config, [ids], mesh=mesh, **kw)
+    assert got.tokens == want.tokens and got.max_len // 4 < len(ids)
 
 
 def test_second_batch_in_bucket_compiles_nothing(smol, dense_greedy):
@@ -157,7 +173,10 @@ def test_second_batch_in_bucket_compiles_nothing(smol, dense_greedy):
         params, config, prompts, cache="fp16", max_new_tokens=20, stop_ids=tok.eos_ids
     )  # same buckets as dense_greedy: prompt 64, output 32
     assert G.compiled_programs() == before_programs
-    assert G.compile_stats()[0] == before_compiles and out.compile_seconds == 0.0
+    # No backend compile. jax may still report a jaxpr trace of microseconds for a program it
+    # finds again after its process-wide dispatch caches dropped it (the mesh tests above fill
+    # them); tracing the model takes far longer than the bound
+    assert G.compile_stats()[0] == before_compiles and out.compile_seconds < 0.01
     assert all(1 <= len(t) <= 20 for t in out.tokens)
 
 
@@ -236,21 +255,6 @@ def test_greedy_over_a_seq_mesh_equals_unsharded(smol, kivi_short_window, shape,
     got = G.generate(params, config, [c["ids"] for c in CASES], mesh=mesh, **kw)
     assert got.tokens == want.tokens
     assert got.max_len % (256 * 4) == 0
-
-
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
-def test_best3_over_a_seq_mesh_equals_unsharded(smol):
-    """`best3` (keys quantized before RoPE, 8 sinks, rotated) with R = 32 over "seq": each
-    shard's keys turned by RoPE at its own positions, the same greedy tokens as on one
-    device."""
-    config, params, _ = smol
-    kw = dict(cache="best3", max_new_tokens=24, residual_length=32)
-    ids = [c["ids"] for c in CASES]
-    want = G.generate(params, config, ids, **kw)
-    mesh = jax.make_mesh(
-        (4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
-    )
-    assert G.generate(params, config, ids, mesh=mesh, **kw).tokens == want.tokens
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")

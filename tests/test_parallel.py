@@ -1,6 +1,7 @@
 """Sequence-parallel decode attention (`kivi_jax.parallel`) on 8 fake CPU devices
 (tests/conftest.py): equal to the unsharded call, and nothing of the cache crosses devices."""
 
+import dataclasses
 import re
 
 import jax
@@ -307,9 +308,8 @@ def test_the_kernel_on_token_shards_of_a_cache_with_sinks(sinks, mesh_shape, mon
     assert np.all(np.asarray(got)[2] == 0)  # the empty row
 
 
-@pytest.mark.parametrize("name", ["best3", "best25"])
-def test_keys_before_rope_on_token_shards(name, monkeypatch):
-    """Caches of keys quantized before RoPE (8 sinks, keys and values rotated): written where
+def test_keys_before_rope_on_token_shards(monkeypatch):
+    """`best3`, keys quantized before RoPE (8 sinks, keys and values rotated): written where
     the tokens are (bit for bit), and attended with each shard's keys turned by RoPE at that
     shard's positions, the sinks and the windows once, on the first shard: "folded" (the
     layer dequantized in XLA) and "pallas" equal the unsharded reference. On the shards
@@ -319,7 +319,7 @@ def test_keys_before_rope_on_token_shards(name, monkeypatch):
     from pallas_kernels import prerope_decode
 
     mesh = _mesh(1, 1, 4)
-    c0 = _cache(name, None, lengths=[0, 0, 0, 0], rope_frequencies=ROPE)
+    c0 = _cache("best3", None, lengths=[0, 0, 0, 0], rope_frequencies=ROPE)
     k, v = (jax.random.normal(jax.random.key(i), (L, 4, HKV, 1900, D)) for i in (3, 4))
     n = jnp.asarray(LENGTHS, jnp.int32)
     want = c0.prefill(k, v, n)
@@ -359,3 +359,41 @@ def test_keys_before_rope_kernel_on_a_mesh_of_one():
     np.testing.assert_allclose(
         np.asarray(out, np.float32), ref, atol=4e-3 * float(np.abs(ref).max()), rtol=0
     )
+
+
+def test_a_mixed_cache_on_token_shards():
+    """A MixedCache (per-layer configs: one part post-RoPE with 4-bit keys, one pre-RoPE,
+    both with sinks and rotated) sharded part by part: prefill, appends and chunks written
+    where the tokens are (bit for bit), and each layer attended in its part, a traced layer
+    included, equal to the unsharded reference."""
+    mesh = _mesh(1, 1, 4)
+    base = kj.KiviConfig(2, 2, 32, 128, sinks=8, rotation="both")
+    configs = [
+        dataclasses.replace(base, key_bits=4),
+        dataclasses.replace(base, group_size=64, pre_rope=True),
+    ]
+    c0 = kj.MixedCache.init(
+        configs, batch=4, kv_heads=HKV, head_dim=D, max_len=1024, dtype=jnp.float32,
+        rope_frequencies=ROPE,
+    )  # fmt: skip
+    k, v = (jax.random.normal(jax.random.key(i), (L, 4, HKV, 900, D)) for i in (5, 6))
+    n = jnp.asarray([900, 300, 0, 129], jnp.int32)  # 256 positions per shard
+    want = c0.prefill(k, v, n)
+    got = kj.sequence_parallel_prefill(
+        shard_cache(c0, mesh, LONG_CONTEXT_RULES), k, v, n, mesh=mesh
+    )
+    kt, vt = (jax.random.normal(jax.random.key(50 + j), (L, 4, HKV, D)) for j in (0, 1))
+    got, want = kj.sequence_parallel_append(got, kt, vt, mesh=mesh), want.append(kt, vt)
+    counts = jnp.asarray([30, 0, 5, 1], jnp.int32)
+    kc, vc = (jax.random.normal(jax.random.key(60 + j), (L, 4, HKV, 30, D)) for j in (0, 1))
+    got = kj.sequence_parallel_extend(got, kc, vc, counts, mesh=mesh)
+    want = want.extend(kc, vc, counts)
+    _gathered_equal(got, want)
+    q = _query(4)
+    attend = jax.jit(lambda q, c, layer: kj.sequence_parallel_attention(q, c, layer, mesh=mesh))
+    for layer in range(L):
+        ref = np.asarray(kj.decode_attention(q, want, layer, implementation="reference"))
+        atol = 2e-5 * float(np.abs(ref).max())
+        np.testing.assert_allclose(attend(q, got, layer), ref, atol=atol, rtol=0)  # traced
+    out = jax.jit(lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh))(q, got)
+    np.testing.assert_allclose(out, ref, atol=atol, rtol=0)  # a concrete layer

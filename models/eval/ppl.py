@@ -574,8 +574,8 @@ def evaluate_ppl(
     if cfg is not None:
         cfg.check_head_dim(model_config.head_dim)
     if spec.layer_overrides:
-        if protocol != "streaming" or mesh is not None:
-            raise ValueError("layer overrides run the streaming protocol on one device")
+        if protocol != "streaming":
+            raise ValueError("layer overrides run the streaming protocol")
         for layer_config in set(spec.layer_configs(model_config.num_layers)):
             layer_config.check_head_dim(model_config.head_dim)
     win = make_windows(tokens, prefill_len, decode_len, windows)
