@@ -134,6 +134,20 @@ def test_errors():
         kj.sequence_parallel_attention(q, _cache("kivi2", 32), 0, mesh=mesh, implementation="x")
 
 
+def _append_and_extend(got, want, mesh, seed, counts):
+    """A token appended, then a chunk of counts[b] tokens per row, into a sharded cache (got,
+    sequence-parallel) and its unsharded twin (want); both equal bit for bit after."""
+    c = max(counts)
+    kt, vt = (jax.random.normal(jax.random.key(seed + j), (L, 4, HKV, D)) for j in (0, 1))
+    got, want = kj.sequence_parallel_append(got, kt, vt, mesh=mesh), want.append(kt, vt)
+    kc, vc = (jax.random.normal(jax.random.key(seed + 10 + j), (L, 4, HKV, c, D)) for j in (0, 1))
+    counts = jnp.asarray(counts, jnp.int32)
+    got = kj.sequence_parallel_extend(got, kc, vc, counts, mesh=mesh)
+    want = want.extend(kc, vc, counts)
+    _gathered_equal(got, want)
+    return got, want
+
+
 def _gathered_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -264,14 +278,7 @@ def test_formats_sinks_rotation_and_outliers_on_token_shards(cfg):
         sharded, k, v, n
     )
     _gathered_equal(got, want)
-    kt, vt = (jax.random.normal(jax.random.key(30 + j), (L, 4, HKV, D)) for j in (0, 1))
-    got = kj.sequence_parallel_append(got, kt, vt, mesh=mesh)
-    want = want.append(kt, vt)
-    counts = jnp.asarray([40, 0, 9, 2], jnp.int32)
-    kc, vc = (jax.random.normal(jax.random.key(40 + j), (L, 4, HKV, 40, D)) for j in (0, 1))
-    got = kj.sequence_parallel_extend(got, kc, vc, counts, mesh=mesh)
-    want = want.extend(kc, vc, counts)
-    _gathered_equal(got, want)
+    got, want = _append_and_extend(got, want, mesh, 30, [40, 0, 9, 2])
     q = _query(4)
     ref = kj.decode_attention(q, want, 1, implementation="reference")
     out = jax.jit(lambda q, c: kj.sequence_parallel_attention(q, c, 1, mesh=mesh))(q, got)
@@ -382,13 +389,7 @@ def test_a_mixed_cache_on_token_shards():
     got = kj.sequence_parallel_prefill(
         shard_cache(c0, mesh, LONG_CONTEXT_RULES), k, v, n, mesh=mesh
     )
-    kt, vt = (jax.random.normal(jax.random.key(50 + j), (L, 4, HKV, D)) for j in (0, 1))
-    got, want = kj.sequence_parallel_append(got, kt, vt, mesh=mesh), want.append(kt, vt)
-    counts = jnp.asarray([30, 0, 5, 1], jnp.int32)
-    kc, vc = (jax.random.normal(jax.random.key(60 + j), (L, 4, HKV, 30, D)) for j in (0, 1))
-    got = kj.sequence_parallel_extend(got, kc, vc, counts, mesh=mesh)
-    want = want.extend(kc, vc, counts)
-    _gathered_equal(got, want)
+    got, want = _append_and_extend(got, want, mesh, 50, [30, 0, 5, 1])
     q = _query(4)
     attend = jax.jit(lambda q, c, layer: kj.sequence_parallel_attention(q, c, layer, mesh=mesh))
     for layer in range(L):
