@@ -447,8 +447,6 @@ CLI_FLAG_CASES = [
     (["generate", "-p", "hi", "--layer-override", "3 colour=4"], ["--layer-override", "colour"]),
     (["generate", "-p", "hi", "--cache", "fp16", "--layer-override", "3 key_bits=4"],
      ["--layer-override", "quantized"]),
-    (["generate", "-p", "hi", "--mesh", "seq=2", "--layer-override", "3 key_bits=4"],
-     ["--layer-override", "--mesh"]),
     (["generate", "-p", "hi", "--prefill-chunk", "8", "--stream"], ["--prefill-chunk", "--stream"]),
     (["eval", "ppl", "--mesh", "seq=2", "--protocol", "simulated"], ["--mesh", "streaming"]),
     (["eval", "ppl", "--mesh", "seq=2", "--cache", "fp16"], ["--mesh", "KIVI"]),
