@@ -161,15 +161,12 @@ def sequence_parallel_attention(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if isinstance(cache, MixedCache):  # the layer's part (`MixedCache.route`)
-        _parts(cache)
         kw = dict(mesh=mesh, rules=rules, implementation=implementation, scale=scale)
+        kw.update(interpret=interpret)
         return cache.route(
-            layer,
-            lambda i, local: sequence_parallel_attention(
-                q, cache.parts[i], local, **kw, interpret=interpret
-            ),
+            layer, lambda i, local: sequence_parallel_attention(q, cache.parts[i], local, **kw)
         )
-    _parts(cache)
+    _parts(cache)  # ValueError for anything but a KiviCache here
     _check_query(q, cache)
     scale = _check_scale(scale, q.shape[-1])
     seq_axis, specs = _sequence_sharding(cache, mesh, rules)
