@@ -161,8 +161,9 @@ def sequence_parallel_attention(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if isinstance(cache, MixedCache):  # the layer's part (`MixedCache.route`)
-        kw = dict(mesh=mesh, rules=rules, implementation=implementation, scale=scale)
-        kw.update(interpret=interpret)
+        kw = dict(
+            mesh=mesh, rules=rules, implementation=implementation, scale=scale, interpret=interpret
+        )
         return cache.route(
             layer, lambda i, local: sequence_parallel_attention(q, cache.parts[i], local, **kw)
         )
