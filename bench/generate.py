@@ -91,16 +91,18 @@ def filled_cache(
     group_size,
     per_layer=False,
     knobs=None,
+    multiple=1,
 ):
-    """A cache with capacity context + steps whose rows hold `context` (zero) tokens
-    (`per_layer`: as `generate` makes it for per-layer weights, `kivi_jax.make_cache`;
-    `knobs`: new_cache's sinks / rotation / layer_overrides for a quantized one)."""
+    """A cache with capacity context + steps + 1 (rounded up to a multiple of `multiple`: 256
+    per shard for a cache sharded over tokens, as `generate` over a mesh allocates it) whose
+    rows hold `context` (zero) tokens (`per_layer`: as `generate` makes it for per-layer
+    weights, `kivi_jax.make_cache`; `knobs`: new_cache's sinks / rotation / layer_overrides
+    for a quantized one)."""
     kw = dict(per_layer=per_layer)
     if name != "fp16":
         kw.update(group_size=group_size, **knobs or {})
-    c = G.new_cache(
-        name, config, batch, context + steps + 1, dtype, residual_length=residual_length, **kw
-    )
+    capacity = -(-(context + steps + 1) // multiple) * multiple
+    c = G.new_cache(name, config, batch, capacity, dtype, residual_length=residual_length, **kw)
     held = lambda: jnp.full((batch,), context, jnp.int32)
     if isinstance(c, kivi_jax.MixedCache):  # every part its own lengths (the loop donates them)
         parts = tuple(dataclasses.replace(p, lengths=held()) for p in c.parts)

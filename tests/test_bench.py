@@ -472,3 +472,25 @@ def test_step_launches_counts_distinct_kernels_by_structure():
     hlo = fused("fused_add", 1) + fused("fused_add.1", 1) + "\nENTRY %main {\n}\n"
     assert distinct_kernels(hlo) == 1
     assert distinct_kernels(hlo + fused("fused_add.2", 2)) == 2
+
+
+def test_scaling_tiny_times_every_device_count_and_checks_the_mesh(tmp_path):
+    """bench.scaling on the simulated CPU devices: a row per device count (and the no-mesh
+    baseline) with its step time, the merge's share on several devices, the chunked prefill
+    over the mesh, and the sharded-vs-unsharded check, all in its JSON."""
+    from bench import scaling
+
+    args = ["--tiny", "--devices", "1,2", "--points", "1x512", "--steps", "2", "--check"]
+    args += ["--prefill", "512", "--chunk", "256", "--out", str(tmp_path)]
+    assert scaling.main(args) == 0
+    saved = json.loads((tmp_path / "scaling_bench.json").read_text())
+    rows = saved["rows"]
+    assert [(r["devices"], r["mesh"]) for r in rows] == [(1, False), (1, True), (2, True)]
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows)
+    assert "speedup" in rows[1] and 0 < rows[2]["merge_share"]
+    assert [p["devices"] for p in saved["prefill"]] == [1, 2]
+    assert all(p["tokens_per_s"] > 0 for p in saved["prefill"])
+    assert saved["check"]["ok"] and saved["check"]["devices"] == 2
+    assert saved["env"]["command"].startswith("python -m bench.scaling --tiny")
+    with pytest.raises(SystemExit):
+        scaling.main(["--tiny", "--cache", "fp16"])
