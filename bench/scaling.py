@@ -15,7 +15,7 @@ writes its own tokens, the partials merged across "seq"). A first call compiles,
 runs `--steps` steps, timed: step ms = seconds / steps. The single-device loop without a mesh
 (`bench.generate.run_loop`) is timed beside as the baseline ("n = 1, no mesh"); speedup =
 that over the n-device step. Weak scaling (`--weak`): each point's T is the tokens per
-device, the context n x T.
+device, the context n x T, and the speedup the efficiency (1.0: the step time stays flat).
 
 The merge's share (`merge_ms`, `merge_share`): a chain of `--merge-calls` dependent
 `kivi_jax.attention.merge_across` calls over the mesh on one layer's partials (B x Hq x D
