@@ -143,9 +143,16 @@ def merge_ms(mesh, batch: int, config, calls: int) -> float:
     return 1e3 * float(np.median(times)) / calls
 
 
-def prefill_tokens_per_s(params, config, mesh, tokens: int, chunk: int, dtype, group_size, name):
-    """tokens/s of prefilling one random `tokens`-token prompt in chunks over `mesh` (the
-    second call; the first compiles)."""
+def merge_point(mesh, batch: int, config, calls: int, step_ms: float) -> dict:
+    """merge_ms (one step's: every layer's merge) and its share of a step of `step_ms`."""
+    ms = config.num_layers * merge_ms(mesh, batch, config, calls)
+    return dict(merge_ms=round(ms, 4), merge_share=round(ms / step_ms, 4))
+
+
+def prefill_point(params, config, n: int, tokens: int, chunk: int, dtype, group_size, name):
+    """tokens_per_s of prefilling one random `tokens`-token prompt in chunks over n devices
+    (the second call; the first compiles)."""
+    mesh = seq_mesh(n)
     fill, abstract = sharded_cache(mesh, config, name, 1, 0, tokens, dtype, group_size)
     prefill, _ = G._sharded_programs(
         mesh, G._mesh_rules(mesh, None), abstract, config, G.bucket(2), G.GREEDY, "auto",
@@ -162,17 +169,16 @@ def prefill_tokens_per_s(params, config, mesh, tokens: int, chunk: int, dtype, g
         logits, _ = prefill(params, prompt, lengths, c)
         logits.block_until_ready()
         seconds.append(time.perf_counter() - t)
-    return tokens / seconds[-1]
+    return dict(tokens_per_s=round(tokens / seconds[-1], 1))
 
 
 def check_sharded_attention(config, cache_name, group_size, mesh) -> dict:
     """One layer's sequence-parallel attention against the unsharded call on a small cache of
     random K/V: {"max_error", "of_max_o", "ok"}."""
     L, B, T, hkv, d = 2, 2, 4096 + 300, config.num_kv_heads, config.head_dim
-    per = 256 * mesh.size
-    cache = G.new_cache(
-        cache_name, dataclasses.replace(config, num_layers=L), B, -(-(T + 1) // per) * per,
-        jnp.bfloat16, residual_length=128, group_size=group_size,
+    cache = bench_generate.filled_cache(
+        cache_name, dataclasses.replace(config, num_layers=L), B, 0, T, jnp.bfloat16, 128,
+        group_size, multiple=256 * mesh.size,
     )  # fmt: skip
     k, v = (jax.random.normal(jax.random.key(i), (L, B, hkv, T, d), jnp.bfloat16) for i in (3, 4))
     cache = cache.prefill(k, v, jnp.array([T, T - 1000], jnp.int32))
@@ -187,6 +193,38 @@ def check_sharded_attention(config, cache_name, group_size, mesh) -> dict:
     return dict(
         devices=mesh.size, max_error=err, of_max_o=err / top, ok=err <= CHECK_TOLERANCE * top
     )
+
+
+def step_point(params, config, args, dtype, batch: int, context: int, n: int) -> dict:
+    """compile_s, step_ms and tokens_per_s of the decode loop at batch x context on n devices
+    (0: one device without a mesh, `bench.generate.run_loop`)."""
+    if n == 0:
+        fill = lambda: bench_generate.filled_cache(
+            args.cache, config, batch, context, args.steps, dtype, 128, args.group_size
+        )
+        run = lambda c, max_new: bench_generate.run_loop(
+            params, config, c, args.steps, "auto", max_new
+        )
+    else:
+        mesh = seq_mesh(n)
+        fill, abstract = sharded_cache(
+            mesh, config, args.cache, batch, context, args.steps, dtype, args.group_size
+        )
+        run = sharded_loop(params, config, abstract, mesh, args.steps)
+    comp, ms = time_steps(run, fill, args.steps)
+    return dict(
+        compile_s=round(comp, 2), step_ms=round(ms, 3), tokens_per_s=round(1e3 * batch / ms, 1)
+    )
+
+
+def attempt(rec: dict, measure, *args) -> dict:
+    """rec updated with what measure(*args) returns, or with the error it raised (a point
+    that fails, out of memory say, is recorded and the run goes on)."""
+    try:
+        rec.update(measure(*args))
+    except Exception as e:  # noqa: BLE001 - record and go on
+        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return rec
 
 
 def main(argv=None):
@@ -213,7 +251,6 @@ def main(argv=None):
     args.group_size = args.group_size or (32 if args.tiny else 128)
     dtype = jnp.bfloat16
     params = G.decode_layout(llama.init_params(config, jax.random.key(0), dtype), config)
-    layers = config.num_layers
     result = dict(
         env=common.env_info(sys.argv[1:] if argv is None else argv, "scaling"),
         model=config.name, weights="random bf16 (preset shapes)", cache=args.cache,
@@ -226,58 +263,33 @@ def main(argv=None):
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "scaling_bench.json").write_text(json.dumps(result, indent=1) + "\n")
 
+    def emit(kind, rec):
+        result[kind].append(rec)
+        print(json.dumps(rec), flush=True)
+        save()
+
     for batch, tokens in points:
         base = None
         for n in [0, *counts]:  # 0: one device, no mesh (the baseline)
             context = tokens * max(n, 1) if args.weak else tokens
             rec = dict(batch=batch, context=context, devices=max(n, 1), mesh=n > 0)
-            try:
-                if n == 0:
-                    fill = lambda batch=batch, context=context: bench_generate.filled_cache(
-                        args.cache, config, batch, context, args.steps, dtype, 128,
-                        args.group_size,
-                    )  # fmt: skip
-                    run = lambda c, max_new: bench_generate.run_loop(
-                        params, config, c, args.steps, "auto", max_new
-                    )
-                else:
-                    mesh = seq_mesh(n)
-                    fill, abstract = sharded_cache(
-                        mesh, config, args.cache, batch, context, args.steps, dtype,
-                        args.group_size,
-                    )  # fmt: skip
-                    run = sharded_loop(params, config, abstract, mesh, args.steps)
-                comp, ms = time_steps(run, fill, args.steps)
-                rec.update(compile_s=round(comp, 2), step_ms=round(ms, 3))
-                rec["tokens_per_s"] = round(1e3 * batch / ms, 1)
-                if n == 0:
-                    base = ms
-                elif base is not None:
-                    rec["speedup"] = round(base / ms, 3)
-                if n > 1:
-                    m = merge_ms(mesh, batch, config, args.merge_calls)
-                    rec.update(merge_ms=round(m * layers, 4), merge_share=round(m * layers / ms, 4))
-            except Exception as e:  # noqa: BLE001 - record and go on
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            result["rows"].append(rec)
-            print(json.dumps(rec), flush=True)
-            save()
+            attempt(rec, step_point, params, config, args, dtype, batch, context, n)
+            ms = rec.get("step_ms")
+            if n == 0:
+                base = ms
+            elif base is not None and ms is not None:
+                rec["speedup"] = round(base / ms, 3)
+            if n > 1 and ms is not None:
+                attempt(rec, merge_point, seq_mesh(n), batch, config, args.merge_calls, ms)
+            emit("rows", rec)
     if args.prefill:
         for n in counts:
             rec = dict(tokens=args.prefill, chunk=args.chunk, devices=n)
-            try:
-                rec["tokens_per_s"] = round(
-                    prefill_tokens_per_s(
-                        params, config, seq_mesh(n), args.prefill, args.chunk, dtype,
-                        args.group_size, args.cache,
-                    ),
-                    1,
-                )  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - record and go on
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            result["prefill"].append(rec)
-            print(json.dumps(rec), flush=True)
-            save()
+            attempt(
+                rec, prefill_point, params, config, n, args.prefill, args.chunk,
+                dtype, args.group_size, args.cache,
+            )  # fmt: skip
+            emit("prefill", rec)
     if args.check:
         n = min(max(counts), jax.device_count())
         result["check"] = check_sharded_attention(config, args.cache, args.group_size, seq_mesh(n))
