@@ -448,6 +448,7 @@ def kernel_on_cache(
     sinks: bool = False,
     skip_sinks: bool = False,
     out_dtype=jnp.float32,
+    in_model_basis: bool = False,
 ) -> tuple[Array, Array]:
     """`pallas_kernels.kivi_decode.kivi_decode` over a KIVI cache's stores: (o [B, Hq, D] in
     `out_dtype`, lse [B, Hq]) of positions [0, num_tokens) of `layer` (with `windows`, the
@@ -459,7 +460,15 @@ def kernel_on_cache(
     (`KiviConfig.fp8_kernel_layout`) runs `pallas_kernels.fp8_decode`, which takes neither
     windows nor sinks; a cache of keys quantized before RoPE (`prerope_kernel_layout`)
     `pallas_kernels.prerope_decode`, which takes no windows and masks the sinks by position
-    (attended beside it)."""
+    (attended beside it). `in_model_basis`: q as the model made it, not yet in the stored
+    keys' basis (`KiviCache.rotate_query`): the integer kernel rotates it in its prologue, no
+    launch before it; the others take it rotated here."""
+    signs = None
+    if in_model_basis and cache.config.rotates_keys and not cache.config.pre_rope:
+        if cache.config.kernel_layout:
+            signs = rotation.sign_tuple(q.shape[-1])
+        else:
+            q = cache.rotate_query(q)
     if cache.config.prerope_kernel_layout:
         if windows is not None:
             raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
@@ -495,6 +504,7 @@ def kernel_on_cache(
         max_len=cache.max_len if windows else 0,
         skip=n_sinks,
         sinks=(k.sink, v.sink) if sinks and n_sinks else None,
+        q_signs=signs,
         out_dtype=out_dtype,
     )
 
@@ -605,10 +615,13 @@ def _kivi_pallas(
     tuning=None,
     low_precision: bool = False,
     out_dtype=jnp.float32,
+    q_model=None,
 ) -> tuple[Array, Array]:
     """(o, lse) of the kernel over the whole cache: one launch where it takes the windows
     (o then in `out_dtype`, or float32 where the values are rotated: the output's rotation
-    follows), else the kernel's float32 partial merged with the tail's."""
+    follows), else the kernel's float32 partial merged with the tail's. q_model: q before
+    `KiviCache.rotate_query` (q and qg are after it), which the one launch rotates itself
+    (then XLA drops the rotation before it, unused)."""
     try:  # the kernel's module, imported here so that its absence is a NotImplementedError
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
@@ -626,18 +639,21 @@ def _kivi_pallas(
             f"({jax.default_backend()}) pass interpret=True to run it under the GPU interpreter"
         )
     m = cache.quantized_split()
-    call = lambda num_tokens, windows=None, out_dtype=jnp.float32, sinks=True: kernel_on_cache(
-        q,
-        cache,
-        layer,
-        num_tokens,
-        scale=scale,
-        interpret=interpret,
-        tuning=tuning,
-        low_precision=low_precision,
-        windows=windows,
-        sinks=sinks and bool(cache.keys.sinks),
-        out_dtype=out_dtype,
+    call = lambda num_tokens, windows=None, out_dtype=jnp.float32, sinks=True, model=False: (
+        kernel_on_cache(
+            q_model if model else q,
+            cache,
+            layer,
+            num_tokens,
+            scale=scale,
+            interpret=interpret,
+            tuning=tuning,
+            low_precision=low_precision,
+            windows=windows,
+            sinks=sinks and bool(cache.keys.sinks),
+            out_dtype=out_dtype,
+            in_model_basis=model,
+        )
     )
     grouped = lambda o, lse: (o.reshape(qg.shape), lse.reshape(qg.shape[:-1]))
     if kernel_window(cache):
@@ -646,7 +662,7 @@ def _kivi_pallas(
         out = jnp.float32 if cache.config.rotates_values else out_dtype
         try:
             windows = (cache.keys.residual, cache.values.residual)
-            o, lse = call(cache.lengths, windows, out)
+            o, lse = call(cache.lengths, windows, out, model=q_model is not None)
             return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
@@ -762,6 +778,7 @@ def decode_attention(
     given = layer
     layer, in_range = check_layer(layer, cache.num_layers)
     kernel_layer = layer
+    q_model = q
     if isinstance(cache, KiviCache):  # q in the stored keys' basis (`KiviConfig.rotation`)
         q, layer = cache.rotate_query(q), runtime_layer(layer)
         # The kernel applies the range policy itself (reads clamped, o NaN): given the index
@@ -773,7 +790,9 @@ def decode_attention(
 
     def kernel():
         nonlocal ran_kernel
-        out = _kivi_pallas(qg, q, cache, kernel_layer, scale, interpret, tuning, lowp, q.dtype)
+        out = _kivi_pallas(
+            qg, q, cache, kernel_layer, scale, interpret, tuning, lowp, q.dtype, q_model
+        )
         ran_kernel = True
         return out
 

@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from pallas_kernels.rotation import hadamard_rotation
+from pallas_kernels.rotation import rotate_rows as kernel_rotate_rows
+
 
 @functools.cache
 def signs(head_dim: int) -> np.ndarray:
@@ -58,21 +61,22 @@ def unrotate(x: Array) -> Array:
     return _walsh_hadamard(x.astype(jnp.float32)) * np.float32(1 / np.sqrt(d)) * signs(d)
 
 
-@functools.cache
-def matrix(head_dim: int) -> np.ndarray:
-    """R = diag(s) H / sqrt(D) as a float32 [D, D] array (`rotate` is x R, `unrotate` x R^T)."""
+def sign_tuple(head_dim: int) -> tuple[float, ...]:
+    """`signs` as a tuple: the rotation as the kernels take it (a static argument)."""
     _check(head_dim)
-    h = np.ones((1, 1))
-    while h.shape[0] < head_dim:
-        h = np.block([[h, h], [h, -h]])
-    return (signs(head_dim)[:, None] * h / np.sqrt(head_dim)).astype(np.float32)
+    return tuple(signs(head_dim).tolist())
+
+
+def matrix(head_dim: int) -> np.ndarray:
+    """R = diag(s) H / sqrt(D) as a float32 [D, D] array (`rotate` is x R, `unrotate` x R^T;
+    `pallas_kernels.rotation.hadamard_rotation` of these signs)."""
+    return hadamard_rotation(sign_tuple(head_dim))
 
 
 def rotate_rows(x: Array) -> Array:
     """x [..., D] -> x R in float32, as one product summed over D (module doc: for the queries
     of a step; equal to `rotate` up to float32 rounding, not bit for bit)."""
-    r = matrix(x.shape[-1])
-    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r, axis=-2)
+    return kernel_rotate_rows(x, sign_tuple(x.shape[-1]))
 
 
 def unrotate_rows(x: Array) -> Array:

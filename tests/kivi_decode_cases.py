@@ -34,6 +34,7 @@ from kivi_jax.quant import (
 from pallas_kernels.kivi_decode import TuningConfig, kivi_decode, kivi_decode_reference
 from pallas_kernels.kivi_decode.config import Plan
 from pallas_kernels.kivi_decode.decode import sinks_in_kernel
+from pallas_kernels.rotation import rotate_rows
 
 TC = TuningConfig
 ON_GPU = jax.default_backend() == "gpu"
@@ -309,13 +310,22 @@ def sinks_held(case: Case, n: int) -> np.ndarray:
     return np.minimum(np.clip(lengths - case.window, 0, case.T), n)
 
 
-def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
+def rotation_signs(D: int) -> tuple[float, ...]:
+    """A fixed pattern of D signs for the rotation of q (both signs in every 16-column block)."""
+    return tuple(float(x) for x in np.random.default_rng(D).choice([-1.0, 1.0], D))
+
+
+def run_case(
+    case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0, rotated: bool = False
+):
     """The kernel on `case` (interpret: the GPU interpreter's params or True; False: natively)
     against the twin within the case's tolerance; the interpreter's race detector clean.
     skip: positions [0, skip) not attended (a cache's sinks); sinks: that many sinks attended
     from buffers of their own (`case_sinks`, skip = sinks; rows reading all, half and none of
     them, `sink_lengths`); then also against the call without them merged with the sinks' own
-    softmax in float64."""
+    softmax in float64. rotated: q given in the model's basis with the signs of a rotation
+    (`rotation_signs`) that the call applies (`q_signs`); then also against the call on q
+    rotated beforehand (to the kernel's fp16 operand's rounding)."""
     if sinks:
         case = dataclasses.replace(case, lengths=sink_lengths(case, sinks))
     cache = case_cache(case, seed)
@@ -324,7 +334,8 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
     windows = case_windows(case, seed)
     sink_bufs = case_sinks(case, seed, sinks) if sinks else None
     skip = sinks or skip
-    call = lambda s: kivi_decode(
+    signs = rotation_signs(case.D) if rotated else None
+    call = lambda s, q=q, signs=signs: kivi_decode(
         q,
         *cache,
         nt,
@@ -335,6 +346,7 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
         windows=windows,
         skip=skip,
         sinks=s,
+        q_signs=signs,
     )
     o, lse = call(sink_bufs)
     o, lse = jax.block_until_ready((o, lse))
@@ -353,8 +365,15 @@ def run_case(case: Case, seed: int, interpret, skip: int = 0, sinks: int = 0):
         windows=windows,
         skip=skip,
         sinks=sink_bufs,
+        q_signs=signs,
     )
     compare(o, lse, ro, rlse, tol_for(case.tuning, case.G, case.D, case.dtype))
+    if rotated:  # the same rotation as q's beforehand, whose rounding to q's dtype (the call
+        # rotates in float32) moves the logits by up to ~1e-2: a wrong rotation moves them O(1)
+        qr = rotate_rows(q, signs).astype(q.dtype)
+        o_r, lse_r = jax.block_until_ready(call(sink_bufs, q=qr, signs=None))
+        compare(o, lse, o_r, lse_r, 3e-2)
+        return
     if sinks:
         o0, lse0 = jax.block_until_ready(call(None))
         so, slse = _sinks_softmax(q, sink_bufs, case, seed)
@@ -417,10 +436,10 @@ def splat_register_casts(module_asm: str) -> list[str]:
     return bad
 
 
-def cross_lower(case: Case, skip: int = 0, sinks: int = 0) -> list[str]:
+def cross_lower(case: Case, skip: int = 0, sinks: int = 0, rotated: bool = False) -> list[str]:
     """`kivi_decode` on `case` through the real sm_90 lowering (on any machine); returns the
     Mosaic GPU modules lowered (their assembly), none with splat register casts. sinks: that
-    many sinks (`case_sinks`; skip = sinks)."""
+    many sinks (`case_sinks`; skip = sinks); rotated: q rotated by the call (`q_signs`)."""
     cache = case_cache(case, 0)
     q = make_q(1, case.B, case.Hq, case.D, case.dtype)
     kw = dict(
@@ -444,6 +463,7 @@ def cross_lower(case: Case, skip: int = 0, sinks: int = 0) -> list[str]:
             windows=arrays[6 : 6 + nw] or None,
             skip=sinks or skip,
             sinks=arrays[6 + nw :] or None,
+            q_signs=rotation_signs(case.D) if rotated else None,
         )
 
     modules = []

@@ -114,6 +114,14 @@ def test_gpu_sinks_match_reference(case):
     run_case(case, 10, False, sinks=8)
 
 
+@pytest.mark.parametrize("case", [*GPU_WINDOW_CASES[:2], SKIP_CASES[1]], ids=str)
+def test_gpu_rotated_query_matches_reference(case):
+    """q rotated by the call (`q_signs`) natively: in the kernel's prologue (the windows' launch,
+    the sinks in its chunk) and in XLA before a launch without it; as the twin, and as the call
+    on q rotated beforehand."""
+    run_case(case, 13, False, sinks=8, rotated=True)
+
+
 def test_gpu_sinks_merged_outside_in_the_warps_channel_order():
     """fold_v_warp's parts come in the warps' channel order and are put back after the merge:
     12 sinks (not whole 8-row tiles: merged outside the kernel) join it in that order."""

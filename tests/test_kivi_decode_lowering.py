@@ -87,6 +87,17 @@ def test_sinks_chunk_cross_lowers_for_sm90(case):
     assert tma_loads(cross_lower(case, sinks=8)) == tma_loads(cross_lower(case)) + 1 + value_copies
 
 
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES[:2], ids=ids(GPU_WINDOW_CASES[:2]))
+def test_rotated_query_in_the_prologue_cross_lowers_for_sm90(case):
+    """q rotated in the kernel's own prologue (`q_signs` with the q prologue): the Walsh-
+    Hadamard stages across a row's lanes are warp shuffles, three per column of a thread's
+    16 for the codes' tile and the windows' (D = 128: 8 blocks of 16 columns per row), none
+    without the rotation."""
+    shuffles = lambda modules: "".join(modules).count("nvvm.shfl.sync bfly")
+    plain, rotated = cross_lower(case, sinks=8), cross_lower(case, sinks=8, rotated=True)
+    assert shuffles(rotated) - shuffles(plain) == 2 * 3 * 16
+
+
 def test_window_gating():
     """choose_tuning with windows: the launch sizes as without them; where the windows' chunk
     buffers fit (`windows_fit`), the q prologue in the kernel, and a one-wave launch of one

@@ -115,6 +115,31 @@ def test_interpret_sinks_match_reference(n):
     run_case(CASES[0], 10, interpreter(), sinks=n)
 
 
+@pytest.mark.parametrize(
+    "case, sinks",
+    [(WINDOW_CASES[0], 8), (CASES[0], 8), (CASES[2], 0)],
+    ids=["windows-sinks-in-kernel", "sinks-merged-outside", "D64-bare"],
+)
+def test_interpret_rotated_query_matches_reference(case, sinks):
+    """q rotated by the call (`q_signs`, the cache's Hadamard rotation of the keys): as the
+    twin, and as the call on q rotated beforehand; the windows, the sinks in the kernel's
+    chunk and those merged outside all read the rotated q."""
+    run_case(case, 12, interpreter(), sinks=sinks, rotated=True)
+
+
+@pytest.mark.parametrize(
+    "signs, match",
+    [((1.0,) * 64, "D=128 signs"), ((1.0,) * 127 + (0.5,), r"\+1 or -1")],
+    ids=["count", "value"],
+)
+def test_bad_rotation_signs_are_named(signs, match):
+    case = CASES[0]
+    cache = case_cache(case, 0)
+    q = make_q(1, case.B, case.Hq, case.D, case.dtype)
+    with pytest.raises(ValueError, match=match):
+        kivi_decode(q, *cache, jnp.asarray(case.lengths, jnp.int32), 0, **case.kw, q_signs=signs)
+
+
 def test_sinks_in_the_kernel_where_they_fit_a_chunk():
     """The window unit takes the sinks when they fill whole 8-row tiles of one 64-slot chunk
     in the windows' dtype; the rest are merged outside (`sinks_in_kernel`)."""

@@ -138,6 +138,10 @@ class Plan:
     # channel order) after merging its splits in the kernel, where nothing is merged after
     # it ('': the float32 outputs [.., D, NP] as the mma tiles hold them)
     out_dtype: str = ""
+    # the signs s of the keys' rotation diag(s) H / sqrt(D) (`pallas_kernels.rotation`): q is
+    # rotated by it before use, in the prologue where the kernel runs it (`q_in_kernel`), else
+    # with the rest of q's preparation in XLA (None: q as given)
+    q_signs: tuple[float, ...] | None = None
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)

@@ -25,6 +25,7 @@ from pallas_kernels.kivi_decode.config import (
 )
 from pallas_kernels.kivi_decode.kernel import VCH, build_kernel
 from pallas_kernels.merge import mask_logits, merge_partials
+from pallas_kernels.rotation import hadamard_rotation, rotate_rows
 from pallas_kernels.sm90.layout import PLANE, permute_contraction
 
 _MMA_DTYPE = jnp.float16  # fp16 operands: 3 more mantissa bits than bf16 for the codes
@@ -181,6 +182,18 @@ def quantized_positions(num_tokens, Tq: int, window: int = 0, max_len: int = 0):
     return jnp.clip(n - window, 0, Tq)
 
 
+def check_signs(signs, D) -> tuple[float, ...] | None:
+    """Validates the rotation's signs (`kivi_decode`'s q_signs): None, or D values each +1 or
+    -1 (D a power of two); returns them as a tuple of floats (a static argument)."""
+    if signs is None:
+        return None
+    signs = tuple(float(x) for x in np.asarray(signs).reshape(-1))
+    if len(signs) != D:
+        raise ValueError(f"q_signs must hold D={D} signs, got {len(signs)}")
+    hadamard_rotation(signs)  # raises ValueError for other values or D
+    return signs
+
+
 def sinks_in_kernel(sinks, window: int, window_dtype) -> bool:
     """Whether the kernel attends the sinks itself, as one more 64-slot chunk of its window
     unit: with the windows in the launch, N a multiple of 8 up to 64 (the keys land in whole
@@ -218,14 +231,19 @@ def sink_keys(q, sinks, layer, sm_scale, held) -> tuple[jax.Array, jax.Array]:
     return mask_logits(s, on[:, None, :, None]), take(vs)[:, :, :, None]
 
 
+def rotated_query(q, signs):
+    """q [B, Hq, D] in float32, rotated by the keys' rotation of `signs` (None: as it is)."""
+    return q.astype(jnp.float32) if signs is None else rotate_rows(q, signs)
+
+
 def q_operand(q, plan: Plan, sm_scale):
-    """q [B, Hq, D] -> the key product's B tiles [B, Hkv, 1, NP, D] fp16: times sm_scale in
-    float32, the padded heads zero (pack_planes without pack_zeros: q's heads repeated in
-    columns 4-7), natively the byte-permuted contraction order. What the kernel does itself
-    with q_prologue."""
+    """q [B, Hq, D] -> the key product's B tiles [B, Hkv, 1, NP, D] fp16: rotated
+    (`plan.q_signs`) and times sm_scale in float32, the padded heads zero (pack_planes without
+    pack_zeros: q's heads repeated in columns 4-7), natively the byte-permuted contraction
+    order. What the kernel does itself with q_prologue."""
     B, Hq, D = q.shape
     Hkv, nq, NP = plan.Hkv, plan.nq, plan.NP
-    qf = (q.astype(jnp.float32) * sm_scale).reshape(B, Hkv, nq, D)
+    qf = (rotated_query(q, plan.q_signs) * sm_scale).reshape(B, Hkv, nq, D)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - nq), (0, 0)))
     qf = qf.astype(_MMA_DTYPE)
     if plan.native:  # key tile channels in the _PERM16 order
@@ -253,6 +271,7 @@ def kernel_call(
     skip=0,
     sinks=None,
     out_dtype="float32",
+    q_signs=None,
 ):
     """The kernel of `kivi_decode` and its operands: (kern, args, plan); kern(*args) ->
     (o_parts [B, Hkv, S, D, NP], lse_parts [B, Hkv, S, NP]) before the merge (with the
@@ -284,6 +303,7 @@ def kernel_call(
         length_cap=max_len if W else 0,
         skip=skip,
         sinks=sinks[0].shape[3] if own_sinks else 0,
+        q_signs=q_signs,
     )
     if plan.cluster and (sinks is None or own_sinks):  # the kernel writes the final rows
         plan = dataclasses.replace(plan, out_dtype=jnp.dtype(out_dtype).name)
@@ -302,8 +322,10 @@ def kernel_call(
     v_min = v_min.reshape(*v_min.shape[:-1], Tq // VCH, VCH)
     cache = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     args = (layer1, num_tokens, qf, *cache)
-    if W:  # the caller's q (unless qf is already that), then the windows
-        raw = () if plan.q_in_kernel else (q.reshape(B, Hkv, plan.nq, D),)
+    if W:  # the caller's q (unless qf is already that; rotated, once rounded to the
+        # windows' dtype, unless the kernel rotates it), then the windows
+        qr = lambda: rotated_query(q, q_signs).astype(window_dtype) if q_signs else q
+        raw = () if plan.q_in_kernel else (qr().reshape(B, Hkv, plan.nq, D),)
         args = (*args, *raw, *windows)
     if own_sinks:
         args = (*args, *sink_operands(sinks, layer))
@@ -322,6 +344,7 @@ def kernel_call(
         "max_len",
         "skip",
         "out_dtype",
+        "q_signs",
     ),
 )
 def _kivi_decode(
@@ -341,6 +364,7 @@ def _kivi_decode(
     tuning,
     interpret,
     out_dtype,
+    q_signs,
 ):
     kern, args, plan = kernel_call(
         q,
@@ -358,6 +382,7 @@ def _kivi_decode(
         skip=skip,
         sinks=sinks,
         out_dtype=out_dtype,
+        q_signs=q_signs,
     )
     o, lse = kern(*args)
     B, Hq, D = q.shape
@@ -373,7 +398,8 @@ def _kivi_decode(
     keys = None
     if sinks is not None and not plan.sinks:  # merged here: those below the codes' split
         n = quantized_positions(num_tokens, plan.Tq, plan.window, plan.length_cap)
-        keys = sink_keys(q, sinks, layer, sm_scale, jnp.minimum(n, sinks[0].shape[3]))
+        held = jnp.minimum(n, sinks[0].shape[3])
+        keys = sink_keys(rotated_query(q, q_signs), sinks, layer, sm_scale, held)
         if rows is not None:
             keys = (keys[0], jnp.take(keys[1], rows, axis=-1))
     if plan.cluster and keys is None:
@@ -408,6 +434,7 @@ def kivi_decode(
     skip: int = 0,
     sinks=None,
     out_dtype=jnp.float32,
+    q_signs=None,
 ):
     """Decode attention of one query token per row over the quantized KIVI cache of one layer.
 
@@ -441,6 +468,11 @@ def kivi_decode(
     (the rest are in the windows); skip must be N. With the windows in the launch the kernel
     attends them as one more chunk of its window unit (N a multiple of 8 up to 64, the
     windows' dtype: `sinks_in_kernel`); otherwise they join the merge of the splits.
+    `q_signs`: D signs (+-1) s of the rotation diag(s) H / sqrt(D) by which the cache's keys
+    are stored (`pallas_kernels.rotation`): q is rotated by it first, in float32, and rounded
+    once to each product's operand (fp16 for the codes', the windows' dtype for the windows'
+    and the sinks' in the kernel), in the kernel's prologue where it runs one (so no launch
+    before it does). None: q as given.
     Raises ValueError on bad shapes/dtypes or a tuning that does not fit, NotImplementedError
     on unsupported bits, group sizes, head dims or dtypes, or where the windows do not fit the
     shared memory beside the default tuning's pipelines.
@@ -468,6 +500,7 @@ def kivi_decode(
     skip = _check_skip(skip)
     if sinks is not None:
         check_sinks(sinks, k_codes.shape[0], B, Hkv, D, skip)
+    q_signs = check_signs(q_signs, D)
     if tuning is None:
         tuning, taken = call_tuning(
             B,
@@ -510,4 +543,5 @@ def kivi_decode(
         tuning=tuning,
         interpret=interpret,
         out_dtype=out_dtype.name,
+        q_signs=q_signs,
     )

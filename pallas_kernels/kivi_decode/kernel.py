@@ -255,6 +255,7 @@ class _Unit:
                 nq=P.nq,
                 scale=self.q_scale,
                 dup=P.pk and not P.tuning.pack_zeros,
+                signs=P.q_signs,
             )
             warpgroup_sync(P.interpret)
             plgpu.commit_smem()
@@ -988,8 +989,17 @@ class _Unit:
         for c in range(P.window_buffers):
             self.fetch_chunk(c)
         _, _, qr_g = self.windows
-        if P.native:
-            q_tile(qr_g.at[self.b, self.h], self.qn_s, nq=P.nq, scale=None, dup=False, natural=True)
+        if P.native:  # qr_g is the caller's q, rotated here too where the prologue is ours
+            signs = P.q_signs if P.q_in_kernel else None
+            q_tile(
+                qr_g.at[self.b, self.h],
+                self.qn_s,
+                nq=P.nq,
+                scale=None,
+                dup=False,
+                natural=True,
+                signs=signs,
+            )
         else:
             q = qr_g.at[self.b, self.h][...].astype(self.qn_s.dtype)
             self.qn_s[...] = jnp.pad(q, ((0, P.NP - P.nq), (0, 0)))

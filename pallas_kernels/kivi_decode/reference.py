@@ -18,9 +18,12 @@ from pallas_kernels.kivi_decode.config import STEP_TOKENS, TuningConfig, choose_
 from pallas_kernels.kivi_decode.decode import (
     check_inputs,
     check_out_dtype,
+    check_signs,
     check_sinks,
     check_windows,
+    rotated_query,
     sink_keys,
+    sinks_in_kernel,
 )
 from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials
@@ -58,6 +61,7 @@ def _running_max(x, tuning: TuningConfig):
         "max_len",
         "skip",
         "out_dtype",
+        "q_signs",
     ),
 )
 def kivi_decode_reference(
@@ -84,6 +88,7 @@ def kivi_decode_reference(
     skip: int = 0,
     sinks=None,
     out_dtype=jnp.float32,
+    q_signs=None,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -113,6 +118,11 @@ def kivi_decode_reference(
     f32 = jnp.float32
     if sinks is not None:
         check_sinks(sinks, L, B, Hkv, D, skip)
+    q_signs = check_signs(q_signs, D)
+    q = rotated_query(q, q_signs)  # float32 from here
+    # a rotated q reaches the windows' product (and the sinks' in the kernel's chunk) rounded
+    # to the windows' dtype, as the kernel's operand
+    qw = q if q_signs is None or windows is None else q.astype(windows[0].dtype).astype(f32)
     if windows is not None:  # num_tokens: the rows' lengths; the newest W are the windows'
         W = check_windows(windows, L, B, Hkv, D)
         n_all = jnp.asarray(num_tokens, jnp.int32)
@@ -183,7 +193,8 @@ def kivi_decode_reference(
     lse = jnp.where(ok, safe + jnp.log(jnp.where(ok, tot, 1.0)), -jnp.inf)
     if windows is not None:
         kw, vw = (sel(x).astype(f32) for x in windows)  # [B, Hkv, W, D], [B, Hkv, D, W]
-        s = jnp.einsum("bhnd,bhwd->bhnw", qs, kw, precision="highest")
+        qws = qw.reshape(B, Hkv, nq, D) * sm_scale
+        s = jnp.einsum("bhnd,bhwd->bhnw", qws, kw, precision="highest")
         held = jnp.arange(W)[None, :] < jnp.clip(n_all, 0, W)[:, None]  # [B, W]
         # a held logit of -inf becomes NaN (the kernel's rule, `kivi_jax.attention`'s)
         s = jnp.where(held[:, None, None], jnp.where(s == -jnp.inf, jnp.nan, s), -jnp.inf)
@@ -202,8 +213,8 @@ def kivi_decode_reference(
     if sinks is not None:  # the first N positions from their full-precision buffers, those
         # below the codes' split (the rest are in the windows)
         held = jnp.minimum(n, sinks[0].shape[3])
-        o, lse = merge_partials(
-            o[:, :, None], lse[:, :, None], axis=2, keys=sink_keys(q, sinks, layer, sm_scale, held)
-        )
+        in_kernel = windows is not None and sinks_in_kernel(sinks, W, windows[0].dtype)
+        keys = sink_keys(qw if in_kernel else q, sinks, layer, sm_scale, held)
+        o, lse = merge_partials(o[:, :, None], lse[:, :, None], axis=2, keys=keys)
     o = jnp.where((layer >= 0) & (layer < L), o, jnp.nan)  # read clamped; the output NaN
     return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)

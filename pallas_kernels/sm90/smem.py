@@ -445,7 +445,16 @@ def zero_smem(ref, transforms=()):
     zero(ref)
 
 
-def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool = False):
+def q_tile(
+    q_ref,
+    q_s,
+    *,
+    nq: int,
+    scale: float | None,
+    dup: bool,
+    natural: bool = False,
+    signs: tuple[float, ...] | None = None,
+):
     """The query's prologue inside the kernel (`TuningConfig.q_prologue`): the nq query heads
     of one kv head, q_ref [nq, D] bf16/fp16 in GMEM, to the key product's B tile q_s [NP, D]
     fp16 (tiling (8, 64), 128-byte swizzle): times `scale` in float32, in the `PERM16`
@@ -456,11 +465,18 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool
     output chunk and 1, 3, 5, 7 to its second (the order `PERM16` puts the column pairs in).
     natural: the natural contraction order and q_s's dtype instead (times `scale` unless it is
     None): the B operand of the window tail's key product, whose A tiles are plain 16-bit
-    loads. The caller orders the stores before the tile's readers (`reduce.warpgroup_sync`,
-    `commit_smem` for wgmma). Native only."""
+    loads. signs: each row first rotated by diag(signs) H / sqrt(D) (`hadamard_rotation`), in
+    float32: the signs applied, then the Walsh-Hadamard transform's log2(D) stages of sums and
+    differences, four in each thread's 16 columns and the rest between the lanes that hold the
+    row's other blocks (a row's D / 16 threads are adjacent lanes of one warp). The caller
+    orders the stores before the tile's readers (`reduce.warpgroup_sync`, `commit_smem` for
+    wgmma). Native only."""
     NP, D = q_s.shape[-2:]
     blocks = D // 16
     dt = q_ref.dtype
+    if signs is not None and (len(signs) != D or (NP * blocks) % 32 or 32 % blocks):
+        # the lanes that exchange values must be whole warps, every one of them in the tile
+        raise NotImplementedError(f"the rotation in q_tile needs D = {D} signs and whole warps")
 
     mlir_type = lambda x: ir.BF16Type.get() if x == jnp.bfloat16 else ir.F16Type.get()
     out_dt = q_s.dtype if natural else jnp.float16
@@ -474,12 +490,11 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool
             ir.IntegerType.get_signless(32),
             ir.F32Type.get(),
         )
-        v4 = ir.VectorType.get((4,), i32)
+        v4, v1 = ir.VectorType.get((4,), i32), ir.VectorType.get((1,), i32)
         e2 = ir.VectorType.get((2,), mlir_type(dt))
         h2, f2 = ir.VectorType.get((2,), mlir_type(out_dt)), ir.VectorType.get((2,), f32)
-        sc = arith.constant(
-            f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, scale or 1.0))
-        )
+        factor = (scale or 1.0) / (math.sqrt(D) if signs is not None else 1.0)
+        sc = arith.constant(f2, ir.DenseElementsAttr.get_splat(f2, ir.FloatAttr.get(f32, factor)))
         zero = arith.constant(v4, ir.DenseElementsAttr.get_splat(v4, ir.IntegerAttr.get(i32, 0)))
         tid = arith.andi(mgpu_utils.thread_idx(), const_i32(127))
         src_base, dst_base = mgpu_utils.memref_ptr(src), mgpu_utils.memref_ptr(dst)
@@ -495,6 +510,51 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool
                 dynamic_position=[],
                 static_position=[0],
             )
+
+        def rotated(words, cb):  # the 16 columns of a block, rotated -> out_dt(factor * x)
+            x = []
+            for w in words:
+                pair = arith.extf(f2, vector.bitcast(e2, vector.broadcast(v1, w)))
+                x += [
+                    vector.extract(pair, dynamic_position=[], static_position=[j]) for j in (0, 1)
+                ]
+            # the signs of this thread's block: a 16-bit pattern chosen by cb, each column's
+            # bit moved to the float's sign bit
+            pattern = const_i32(0)
+            for b in range(blocks):
+                bits = sum(1 << j for j in range(16) if signs[16 * b + j] < 0)
+                is_b = arith.cmpi(arith.CmpIPredicate.eq, cb, const_i32(b))
+                pattern = arith.select(is_b, const_i32(bits), pattern)
+            for j in range(16):
+                flip = arith.andi(
+                    arith.shli(pattern, const_i32(31 - j)), const_i32(np.int32(-(2**31)).item())
+                )
+                x[j] = arith.bitcast(f32, arith.xori(arith.bitcast(i32, x[j]), flip))
+            h = 1
+            while h < 16:  # the stages within the block
+                for j in range(16):
+                    if not j & h:
+                        x[j], x[j + h] = arith.addf(x[j], x[j + h]), arith.subf(x[j], x[j + h])
+                h *= 2
+            for bit in range(blocks.bit_length() - 1):  # the stages across the row's lanes
+                high = arith.cmpi(
+                    arith.CmpIPredicate.ne, arith.andi(cb, const_i32(1 << bit)), const_i32(0)
+                )
+                for j in range(16):
+                    other = mgpu_utils.shfl_bfly(x[j], 1 << bit)
+                    # the pair's low block keeps the sum, the high one the difference
+                    x[j] = arith.select(high, arith.subf(other, x[j]), arith.addf(x[j], other))
+            out = []
+            for j in range(0, 16, 2):
+                y = arith.mulf(vector.from_elements(f2, [x[j], x[j + 1]]), sc)
+                out.append(
+                    vector.extract(
+                        vector.bitcast(v1, arith.truncf(h2, y)),
+                        dynamic_position=[],
+                        static_position=[0],
+                    )
+                )
+            return out
 
         for i in range(-(-NP * blocks // 128)):
             k = arith.addi(tid, const_i32(128 * i))
@@ -532,7 +592,7 @@ def q_tile(q_ref, q_s, *, nq: int, scale: float | None, dup: bool, natural: bool
                         vector.extract(x, dynamic_position=[], static_position=[j])
                         for j in range(4)
                     ]
-                words = [conv(w) for w in words]
+                words = rotated(words, cb) if signs is not None else [conv(w) for w in words]
                 for half in range(2):  # output chunk 2 (cb % 4) + half of the row's 64-col tile
                     ch = arith.addi(
                         arith.muli(arith.andi(cb, const_i32(3)), const_i32(2)), const_i32(half)

@@ -1,0 +1,34 @@
+"""The Hadamard rotation of a sign pattern, defined once: R = diag(s) H / sqrt(D), H the D x D
+Sylvester Hadamard matrix and s a pattern of D signs. `kivi_jax.rotation` rotates the cache's
+keys and values by it (with its fixed signs); the decode kernel rotates q by it in its prologue
+(`kivi_decode(..., q_signs=s)`), and its reference twin and XLA's side of the launch by the
+product below. Imports only jax and numpy."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+
+@functools.cache
+def hadamard_rotation(signs: tuple[float, ...]) -> np.ndarray:
+    """R = diag(signs) H / sqrt(D) as a float32 [D, D] array (D = len(signs), a power of two)."""
+    d = len(signs)
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
+    if any(s not in (-1.0, 1.0) for s in signs):
+        raise ValueError("the rotation's signs must each be +1 or -1")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (np.asarray(signs)[:, None] * h / np.sqrt(d)).astype(np.float32)
+
+
+def rotate_rows(x: Array, signs: tuple[float, ...]) -> Array:
+    """x [..., D] -> x R in float32, as one product summed over D (XLA fuses it into one
+    reduction with its consumers, where the transform's stages would be fusions of their own)."""
+    r = hadamard_rotation(tuple(signs))
+    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r, axis=-2)
