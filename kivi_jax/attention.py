@@ -460,16 +460,32 @@ def kernel_on_cache(
     (`KiviConfig.fp8_kernel_layout`) runs `pallas_kernels.fp8_decode`, which takes neither
     windows nor sinks; a cache of keys quantized before RoPE (`prerope_kernel_layout`)
     `pallas_kernels.prerope_decode`, which takes no windows and masks the sinks by position
-    (attended beside it). `in_model_basis`: q as the model made it, not yet in the stored
-    keys' basis (`KiviCache.rotate_query`): the integer kernel rotates it in its prologue, no
-    launch before it; the others take it rotated here."""
-    signs = None
-    if in_model_basis and cache.config.rotates_keys and not cache.config.pre_rope:
-        if cache.config.kernel_layout:
-            signs = rotation.sign_tuple(q.shape[-1])
-        else:
-            q = cache.rotate_query(q)
-    if cache.config.prerope_kernel_layout:
+    (attended beside it). `in_model_basis`: q as the model made it and o returned so, not in
+    the stored keys' and values' bases (`KiviCache.rotate_query`, `unrotate_output`): the
+    integer kernel rotates q in its prologue and o where it writes the final rows (no launch
+    before it, none after it); the others' q and o are rotated here."""
+    config = cache.config
+    if in_model_basis and not config.kernel_layout:
+        q = cache.rotate_query(q)
+        o, lse = kernel_on_cache(
+            q,
+            cache,
+            layer,
+            num_tokens,
+            scale=scale,
+            interpret=interpret,
+            tuning=tuning,
+            low_precision=low_precision,
+            windows=windows,
+            sinks=sinks,
+            skip_sinks=skip_sinks,
+        )
+        return cache.unrotate_output(o).astype(out_dtype), lse
+    in_model_basis = in_model_basis and config.rotation != "none"
+    d = q.shape[-1]
+    q_signs = rotation.sign_tuple(d) if in_model_basis and config.rotates_keys else None
+    o_signs = rotation.sign_tuple(d) if in_model_basis and config.rotates_values else None
+    if config.prerope_kernel_layout:
         if windows is not None:
             raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
         o, lse = _prerope_kernel(q, cache, layer, num_tokens, scale, interpret, sinks)
@@ -504,7 +520,8 @@ def kernel_on_cache(
         max_len=cache.max_len if windows else 0,
         skip=n_sinks,
         sinks=(k.sink, v.sink) if sinks and n_sinks else None,
-        q_signs=signs,
+        q_signs=q_signs,
+        o_signs=o_signs,
         out_dtype=out_dtype,
     )
 
@@ -618,10 +635,11 @@ def _kivi_pallas(
     q_model=None,
 ) -> tuple[Array, Array]:
     """(o, lse) of the kernel over the whole cache: one launch where it takes the windows
-    (o then in `out_dtype`, or float32 where the values are rotated: the output's rotation
-    follows), else the kernel's float32 partial merged with the tail's. q_model: q before
-    `KiviCache.rotate_query` (q and qg are after it), which the one launch rotates itself
-    (then XLA drops the rotation before it, unused)."""
+    (o then in `out_dtype`, or float32 where the values are rotated and the caller rotates o
+    back), else the kernel's float32 partial merged with the tail's. q_model: q before
+    `KiviCache.rotate_query` (q and qg are after it); then o is returned in the model's basis
+    (`unrotate_output`), by the one launch itself where it runs (XLA then drops the rotation
+    of q before it, unused)."""
     try:  # the kernel's module, imported here so that its absence is a NotImplementedError
         from pallas_kernels import kivi_decode  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernel module ships with the package
@@ -659,18 +677,21 @@ def _kivi_pallas(
     if kernel_window(cache):
         # One launch: the kernel attends the windows too (where they fit its shared memory);
         # where it also merges its splits it writes o in out_dtype itself, nothing after it
-        out = jnp.float32 if cache.config.rotates_values else out_dtype
+        model = q_model is not None  # then rotated back by the launch itself
+        out = jnp.float32 if cache.config.rotates_values and not model else out_dtype
         try:
             windows = (cache.keys.residual, cache.values.residual)
-            o, lse = call(cache.lengths, windows, out, model=q_model is not None)
+            o, lse = call(cache.lengths, windows, out, model=model)
             return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
     if config.prerope_kernel_layout:  # the sinks and the tail in one pass beside the kernel
         main = grouped(*_settled(*call(m, sinks=False), interpret))
-        return merge_partials([main, _prerope_beside(qg, cache, layer, m)])
-    main = grouped(*_settled(*call(m), interpret))
-    return merge_partials([main, tail_attention(qg, cache, layer, m)])
+        o, lse = merge_partials([main, _prerope_beside(qg, cache, layer, m)])
+    else:
+        main = grouped(*_settled(*call(m), interpret))
+        o, lse = merge_partials([main, tail_attention(qg, cache, layer, m)])
+    return (o if q_model is None else cache.unrotate_output(o)), lse
 
 
 def kernel_window(cache: KiviCache) -> int:
@@ -830,7 +851,7 @@ def decode_attention(
             o, _ = _kivi_reference(qg, cache, layer)
     else:
         o, _ = _kivi_reference(qg, cache, layer)
-    if isinstance(cache, KiviCache):
+    if isinstance(cache, KiviCache) and not ran_kernel:  # (the kernel's o is the model's)
         o = cache.unrotate_output(o)
     if in_range is not None and not ran_kernel:  # a traced layer out of range was clamped:
         o = jnp.where(in_range, o, jnp.nan)  # never another's answer

@@ -10,7 +10,7 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
 
 @functools.cache
@@ -32,3 +32,31 @@ def rotate_rows(x: Array, signs: tuple[float, ...]) -> Array:
     reduction with its consumers, where the transform's stages would be fusions of their own)."""
     r = hadamard_rotation(tuple(signs))
     return jnp.sum(x.astype(jnp.float32)[..., :, None] * r, axis=-2)
+
+
+def unrotate_rows(x: Array, signs: tuple[float, ...]) -> Array:
+    """x [..., D] -> x R^T in float32 (the inverse of `rotate_rows`: R is orthogonal), as one
+    product summed over D (for attention's outputs over rotated values)."""
+    r = hadamard_rotation(tuple(signs))
+    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r.T, axis=-2)
+
+
+def unrotate_stages(x: Array, signs: tuple[float, ...]) -> Array:
+    """`unrotate_rows` without array constants, for a kernel body under the interpreter (which
+    closes over scalars only): x [..., D] float32 -> (x H / sqrt(D)) * signs, the Walsh-
+    Hadamard transform's log2(D) stages of sums and differences, then each channel's sign from
+    32-bit words of the pattern."""
+    *lead, d = x.shape
+    h = 1
+    while h < d:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        h *= 2
+    c = lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1)
+    word = jnp.uint32(0)
+    for w in range(-(-d // 32)):
+        bits = sum(1 << j for j in range(32) if 32 * w + j < d and signs[32 * w + j] < 0)
+        word = jnp.where(c >> 5 == w, jnp.uint32(bits), word)
+    negative = (word >> (c & 31)) & 1 == 1
+    return jnp.where(negative, -x, x) * np.float32(1 / np.sqrt(d))

@@ -34,7 +34,7 @@ from kivi_jax.quant import (
 from pallas_kernels.kivi_decode import TuningConfig, kivi_decode, kivi_decode_reference
 from pallas_kernels.kivi_decode.config import Plan
 from pallas_kernels.kivi_decode.decode import sinks_in_kernel
-from pallas_kernels.rotation import rotate_rows
+from pallas_kernels.rotation import rotate_rows, unrotate_rows
 
 TC = TuningConfig
 ON_GPU = jax.default_backend() == "gpu"
@@ -323,9 +323,9 @@ def run_case(
     skip: positions [0, skip) not attended (a cache's sinks); sinks: that many sinks attended
     from buffers of their own (`case_sinks`, skip = sinks; rows reading all, half and none of
     them, `sink_lengths`); then also against the call without them merged with the sinks' own
-    softmax in float64. rotated: q given in the model's basis with the signs of a rotation
-    (`rotation_signs`) that the call applies (`q_signs`); then also against the call on q
-    rotated beforehand (to the kernel's fp16 operand's rounding)."""
+    softmax in float64. rotated: q given and o returned in the model's basis, the keys and
+    values stored rotated by the signs of `rotation_signs` (the call's `q_signs`, `o_signs`);
+    then also against the call on q rotated beforehand, its output rotated back after."""
     if sinks:
         case = dataclasses.replace(case, lengths=sink_lengths(case, sinks))
     cache = case_cache(case, seed)
@@ -335,7 +335,7 @@ def run_case(
     sink_bufs = case_sinks(case, seed, sinks) if sinks else None
     skip = sinks or skip
     signs = rotation_signs(case.D) if rotated else None
-    call = lambda s, q=q, signs=signs: kivi_decode(
+    call = lambda s, q=q, signs=signs, out=jnp.float32: kivi_decode(
         q,
         *cache,
         nt,
@@ -347,6 +347,8 @@ def run_case(
         skip=skip,
         sinks=s,
         q_signs=signs,
+        o_signs=signs,
+        out_dtype=out,
     )
     o, lse = call(sink_bufs)
     o, lse = jax.block_until_ready((o, lse))
@@ -366,13 +368,14 @@ def run_case(
         skip=skip,
         sinks=sink_bufs,
         q_signs=signs,
+        o_signs=signs,
     )
     compare(o, lse, ro, rlse, tol_for(case.tuning, case.G, case.D, case.dtype))
     if rotated:  # the same rotation as q's beforehand, whose rounding to q's dtype (the call
         # rotates in float32) moves the logits by up to ~1e-2: a wrong rotation moves them O(1)
         qr = rotate_rows(q, signs).astype(q.dtype)
-        o_r, lse_r = jax.block_until_ready(call(sink_bufs, q=qr, signs=None))
-        compare(o, lse, o_r, lse_r, 3e-2)
+        o_r, lse_r = jax.block_until_ready(call(sink_bufs, q=qr, signs=None, out=jnp.float32))
+        compare(o, lse, unrotate_rows(o_r, signs), lse_r, 3e-2)
         return
     if sinks:
         o0, lse0 = jax.block_until_ready(call(None))
@@ -439,7 +442,8 @@ def splat_register_casts(module_asm: str) -> list[str]:
 def cross_lower(case: Case, skip: int = 0, sinks: int = 0, rotated: bool = False) -> list[str]:
     """`kivi_decode` on `case` through the real sm_90 lowering (on any machine); returns the
     Mosaic GPU modules lowered (their assembly), none with splat register casts. sinks: that
-    many sinks (`case_sinks`; skip = sinks); rotated: q rotated by the call (`q_signs`)."""
+    many sinks (`case_sinks`; skip = sinks); rotated: q and o rotated by the call (`q_signs`,
+    `o_signs`)."""
     cache = case_cache(case, 0)
     q = make_q(1, case.B, case.Hq, case.D, case.dtype)
     kw = dict(
@@ -464,6 +468,7 @@ def cross_lower(case: Case, skip: int = 0, sinks: int = 0, rotated: bool = False
             skip=sinks or skip,
             sinks=arrays[6 + nw :] or None,
             q_signs=rotation_signs(case.D) if rotated else None,
+            o_signs=rotation_signs(case.D) if rotated else None,
         )
 
     modules = []

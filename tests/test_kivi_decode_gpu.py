@@ -114,12 +114,17 @@ def test_gpu_sinks_match_reference(case):
     run_case(case, 10, False, sinks=8)
 
 
-@pytest.mark.parametrize("case", [*GPU_WINDOW_CASES[:2], SKIP_CASES[1]], ids=str)
-def test_gpu_rotated_query_matches_reference(case):
-    """q rotated by the call (`q_signs`) natively: in the kernel's prologue (the windows' launch,
-    the sinks in its chunk) and in XLA before a launch without it; as the twin, and as the call
-    on q rotated beforehand."""
-    run_case(case, 13, False, sinks=8, rotated=True)
+ROTATED_CASES = [*GPU_WINDOW_CASES[:2], GPU_WINDOW_CASES[5], SKIP_CASES[1]]
+
+
+@pytest.mark.parametrize("sinks", [0, 8])
+@pytest.mark.parametrize("case", ROTATED_CASES, ids=ids(ROTATED_CASES))
+def test_gpu_rotations_match_reference(case, sinks):
+    """q rotated and o rotated back by the call (`q_signs`, `o_signs`) natively: q in the
+    kernel's prologue (the windows' launches without sinks in their chunk), else in XLA before
+    the launch; o where the kernel writes the final rows (the one-row case), else in the XLA
+    merge; as the twin, and as the call on q rotated beforehand with its o rotated back."""
+    run_case(case, 13, False, sinks=sinks, rotated=True)
 
 
 def test_gpu_sinks_merged_outside_in_the_warps_channel_order():

@@ -87,15 +87,26 @@ def test_sinks_chunk_cross_lowers_for_sm90(case):
     assert tma_loads(cross_lower(case, sinks=8)) == tma_loads(cross_lower(case)) + 1 + value_copies
 
 
-@pytest.mark.parametrize("case", GPU_WINDOW_CASES[:2], ids=ids(GPU_WINDOW_CASES[:2]))
-def test_rotated_query_in_the_prologue_cross_lowers_for_sm90(case):
-    """q rotated in the kernel's own prologue (`q_signs` with the q prologue): the Walsh-
-    Hadamard stages across a row's lanes are warp shuffles, three per column of a thread's
-    16 for the codes' tile and the windows' (D = 128: 8 blocks of 16 columns per row), none
-    without the rotation."""
+ROTATED = {c.name: c for c in GPU_WINDOW_CASES}
+
+
+@pytest.mark.parametrize(
+    "name, final_rows",
+    [("W128-choose-K2V2-G128", False), ("W128-choose-K2V2-G128-B1", True)],
+)
+def test_rotations_in_the_kernel_cross_lower_for_sm90(name, final_rows):
+    """q rotated in the kernel's own prologue and o rotated back where the kernel writes the
+    final rows (`q_signs`, `o_signs`): the Walsh-Hadamard stages across a row's lanes are warp
+    shuffles, three per column of a thread's 16 for the codes' tile and the windows' (D = 128:
+    8 blocks of 16 columns per row), and for the output five per padded head (the channel bits
+    of a warp's 32 lanes; the other two through shared memory); none without them. (With the
+    sinks in the kernel's chunk q is rotated before the launch, `rotation_before_launch`.)"""
     shuffles = lambda modules: "".join(modules).count("nvvm.shfl.sync bfly")
+    case, of_o = ROTATED[name], (5 * 8 if final_rows else 0)
+    plain, rotated = cross_lower(case), cross_lower(case, rotated=True)
+    assert shuffles(rotated) - shuffles(plain) == 2 * 3 * 16 + of_o
     plain, rotated = cross_lower(case, sinks=8), cross_lower(case, sinks=8, rotated=True)
-    assert shuffles(rotated) - shuffles(plain) == 2 * 3 * 16
+    assert shuffles(rotated) - shuffles(plain) == of_o
 
 
 def test_window_gating():

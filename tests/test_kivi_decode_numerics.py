@@ -117,13 +117,15 @@ def test_interpret_sinks_match_reference(n):
 
 @pytest.mark.parametrize(
     "case, sinks",
-    [(WINDOW_CASES[0], 8), (CASES[0], 8), (CASES[2], 0)],
-    ids=["windows-sinks-in-kernel", "sinks-merged-outside", "D64-bare"],
+    [(WINDOW_CASES[0], 8), (CASES[0], 8), (CASES[2], 0), (WINDOW_CASES[3], 8)],
+    ids=["windows-sinks-in-kernel", "sinks-merged-outside", "D64-bare", "final-rows"],
 )
-def test_interpret_rotated_query_matches_reference(case, sinks):
-    """q rotated by the call (`q_signs`, the cache's Hadamard rotation of the keys): as the
-    twin, and as the call on q rotated beforehand; the windows, the sinks in the kernel's
-    chunk and those merged outside all read the rotated q."""
+def test_interpret_rotations_match_reference(case, sinks):
+    """q rotated and o rotated back by the call (`q_signs`, `o_signs`: the cache's Hadamard
+    rotation of keys and values): as the twin, and as the call on q rotated beforehand with
+    its o rotated back after; the windows, the sinks in the kernel's chunk and those merged
+    outside all read the rotated q; o rotated back in the XLA merge, or where the kernel
+    merges its splits and writes the final rows (WINDOW_CASES[3]) by the kernel."""
     run_case(case, 12, interpreter(), sinks=sinks, rotated=True)
 
 

@@ -142,6 +142,10 @@ class Plan:
     # rotated by it before use, in the prologue where the kernel runs it (`q_in_kernel`), else
     # with the rest of q's preparation in XLA (None: q as given)
     q_signs: tuple[float, ...] | None = None
+    # the signs of the values' rotation, where the kernel writes the final rows (`out_dtype`):
+    # each row's output rotated back by R^T before it is written (`transpose_rows`; None:
+    # as attended, or rotated back after the launch's merge in XLA)
+    o_signs: tuple[float, ...] | None = None
 
     @property
     def NP(self) -> int:  # padded query heads (mma's N)

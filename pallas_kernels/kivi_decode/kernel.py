@@ -1152,7 +1152,14 @@ class _Unit:
             out = self.o_s
             if P.out_dtype:  # the row as the caller takes it: no transpose launched after
                 rows = value_channel_order(P)
-                transpose_rows(self.o_s, sc["out_s"], rows=rows, interpret=P.interpret)
+                transpose_rows(
+                    self.o_s,
+                    sc["out_s"],
+                    rows=rows,
+                    interpret=P.interpret,
+                    signs=P.o_signs,
+                    spare=sc.get("rot_s"),
+                )
                 out = sc["out_s"].at[pl.ds(0, P.nq)]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out, self.o_g.at[self.b, self.h])
@@ -1243,6 +1250,8 @@ def scratch_buffers(plan: Plan) -> dict:
         )
     if P.out_dtype:  # the merged row in the caller's layout [NP, D] (`transpose_rows`)
         scratch["out_s"] = plgpu.SMEM((NP, D), jnp.dtype(P.out_dtype))
+        if P.o_signs is not None:  # its rotation's other buffer between the warps' stages
+            scratch["rot_s"] = plgpu.SMEM((D, NP), f32)
     if P.cluster:  # merge_splits: every warpgroup's partial ready; block 0's reads done
         scratch["ready"] = plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=W)
         if P.cluster > 1:

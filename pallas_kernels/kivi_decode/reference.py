@@ -22,11 +22,13 @@ from pallas_kernels.kivi_decode.decode import (
     check_sinks,
     check_windows,
     rotated_query,
+    rotation_before_launch,
     sink_keys,
     sinks_in_kernel,
 )
 from pallas_kernels.layout import cache_slot, to_cache_order, unblock_columns, unpack_tokens
 from pallas_kernels.merge import merge_partials
+from pallas_kernels.rotation import unrotate_rows
 from pallas_kernels.sm90.codes import f8_field_spec
 from pallas_kernels.sm90.layout import PLANE
 
@@ -62,6 +64,7 @@ def _running_max(x, tuning: TuningConfig):
         "skip",
         "out_dtype",
         "q_signs",
+        "o_signs",
     ),
 )
 def kivi_decode_reference(
@@ -89,6 +92,7 @@ def kivi_decode_reference(
     sinks=None,
     out_dtype=jnp.float32,
     q_signs=None,
+    o_signs=None,
 ):
     """The kernel's twin in float32, in folded form: key scale folded into q per token group,
     value scale into p per token and channel group, minimums as biases. Same signature and
@@ -118,7 +122,12 @@ def kivi_decode_reference(
     f32 = jnp.float32
     if sinks is not None:
         check_sinks(sinks, L, B, Hkv, D, skip)
-    q_signs = check_signs(q_signs, D)
+    own_sinks = (
+        windows is not None
+        and sinks is not None
+        and sinks_in_kernel(sinks, windows[0].shape[3], windows[0].dtype)
+    )
+    q, q_signs = rotation_before_launch(q, check_signs(q_signs, D), own_sinks)
     q = rotated_query(q, q_signs)  # float32 from here
     # a rotated q reaches the windows' product (and the sinks' in the kernel's chunk) rounded
     # to the windows' dtype, as the kernel's operand
@@ -216,5 +225,8 @@ def kivi_decode_reference(
         in_kernel = windows is not None and sinks_in_kernel(sinks, W, windows[0].dtype)
         keys = sink_keys(qw if in_kernel else q, sinks, layer, sm_scale, held)
         o, lse = merge_partials(o[:, :, None], lse[:, :, None], axis=2, keys=keys)
+    o_signs = check_signs(o_signs, D)
+    if o_signs is not None:
+        o = unrotate_rows(o, o_signs)
     o = jnp.where((layer >= 0) & (layer < L), o, jnp.nan)  # read clamped; the output NaN
     return o.reshape(B, Hq, D).astype(out_dtype), lse.reshape(B, Hq)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.rotation import unrotate_stages
 from pallas_kernels.sm90.inline import const_i32
 from pallas_kernels.sm90.layout import PLANE
 
@@ -162,11 +163,37 @@ def fold_channel(r, D: int):
     return (D // 4) * ((r >> 4) & 3) + 16 * (r >> 6) + (r & 15)
 
 
-def transpose_rows(o_s, out_s, *, rows, interpret):
+def _row_bits(chan: np.ndarray) -> list[int]:
+    """For a bit permutation `chan` (the channel of each row r), the row bit behind each
+    channel bit: chan[r ^ (1 << result[k])] = chan[r] ^ (1 << k)."""
+    D = chan.size
+    bits = D.bit_length() - 1
+    rbit = [0] * bits
+    for b in range(bits):
+        k = int(chan[1 << b]).bit_length() - 1
+        if chan[0] != 0 or chan[1 << b] != 1 << k:
+            raise ValueError("the rows' channel order is not a permutation of the index bits")
+        rbit[k] = b
+    xor_of = lambda r: functools.reduce(
+        lambda a, b: a ^ int(chan[1 << b]), [b for b in range(bits) if r >> b & 1], 0
+    )
+    if any(int(chan[r]) != xor_of(r) for r in range(D)):
+        raise ValueError("the rows' channel order is not a permutation of the index bits")
+    return rbit
+
+
+def transpose_rows(o_s, out_s, *, rows, interpret, signs=None, spare=None):
     """The merged row's output in the caller's layout: out_s[n, rows[r]] = o_s[r, n] for each
     row r of o_s [D, NP] (float32; `rows` the channel of each row, None for the natural order,
     else fold_v_warp's, `fold_channel`) and each padded head n, in out_s's dtype ([NP, D],
     16-bit or float32; rounded to nearest even, as XLA's convert rounds).
+
+    signs: each head's output first rotated back from the values' stored basis, o R^T with
+    R = diag(signs) H / sqrt(D) (`pallas_kernels.rotation`), in float32: the Walsh-Hadamard
+    transform over the channels, whose stages pair rows a bit of r apart (the channel order a
+    permutation of r's bits, `_row_bits`): between warps through shared memory (o_s and
+    `spare`, a [D, NP] float32 buffer, in turn, a warpgroup barrier after each stage), within
+    a warp by shuffles; then the channel's sign and 1 / sqrt(D). o_s is overwritten.
 
     Run by warpgroup 0 between warpgroup barriers (its threads read rows another thread
     wrote). Natively thread r moves row r: NP / 4 16-byte loads and NP scalar stores, a
@@ -179,23 +206,39 @@ def transpose_rows(o_s, out_s, *, rows, interpret):
         x = o_s[...]
         if rows is not None:
             x = jnp.take(x, np.argsort(rows), axis=0)  # row c: channel c
-        out_s[...] = x.T.astype(out_s.dtype)
+        x = x.T
+        if signs is not None:
+            x = unrotate_stages(x, signs)
+        out_s[...] = x.astype(out_s.dtype)
         return
     if D > 128 or NP % 4:
         raise NotImplementedError(f"transpose_rows: D={D} > 128 or NP={NP} not a multiple of 4")
+    if signs is not None and (len(signs) != D or spare is None or spare.shape != o_s.shape):
+        raise ValueError("transpose_rows: the rotation needs D signs and a spare [D, NP] buffer")
     dtype = jnp.dtype(out_s.dtype)
     elem = {
         jnp.dtype(jnp.float32): ir.F32Type.get,
         jnp.dtype(jnp.bfloat16): ir.BF16Type.get,
         jnp.dtype(jnp.float16): ir.F16Type.get,
     }[dtype]
+    chan = np.arange(D) if rows is None else np.asarray(rows)
+    rbit = _row_bits(chan) if signs is not None else []
+    across = [b for b in rbit if b >= 5]  # row bits of the warp index: through SMEM
+    within = [b for b in rbit if b < 5]  # lane bits: shuffles
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def move(_, o_ref, out_ref):
-        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+    )
+    def move(_, o_ref, out_ref, spare_ref):
+        i8, i32, f32 = (
+            ir.IntegerType.get_signless(8),
+            ir.IntegerType.get_signless(32),
+            ir.F32Type.get(),
+        )
         v4 = ir.VectorType.get((4,), f32)
         r = arith.andi(mgpu_utils.thread_idx(), const_i32(127))
-        o_base, out_base = mgpu_utils.memref_ptr(o_ref), mgpu_utils.memref_ptr(out_ref)
+        out_base = mgpu_utils.memref_ptr(out_ref)
+        bufs = [mgpu_utils.memref_ptr(o_ref), mgpu_utils.memref_ptr(spare_ref)]
         if rows is None:
             c = r
         else:  # fold_channel in i32 arithmetic
@@ -205,14 +248,64 @@ def transpose_rows(o_s, out_s, *, rows, interpret):
                 arith.addi(arith.muli(arith.shrui(r, const_i32(6)), const_i32(16)), bits(0, 15)),
             )
         active = arith.cmpi(arith.CmpIPredicate.ult, r, const_i32(D))
-        with mgpu_utils.when(active):
-            row = arith.muli(r, const_i32(NP * 4))
+        high = lambda b: arith.cmpi(  # row r is the pair's second (its channel bit set)
+            arith.CmpIPredicate.ne, arith.andi(r, const_i32(1 << b)), const_i32(0)
+        )
+        butterfly = lambda hi, mine, other: arith.select(
+            hi, arith.subf(other, mine), arith.addf(mine, other)
+        )
+
+        def load_row(base, row):
             vals = []
             for j in range(NP // 4):
-                at = mgpu_utils.getelementptr(o_base, [arith.addi(row, const_i32(16 * j))], i8)
-                v = llvm.load(v4, at, alignment=16)
+                off = arith.addi(arith.muli(row, const_i32(NP * 4)), const_i32(16 * j))
+                v = llvm.load(v4, mgpu_utils.getelementptr(base, [off], i8), alignment=16)
                 vals += [
                     vector.extract(v, dynamic_position=[], static_position=[k]) for k in range(4)
+                ]
+            return vals
+
+        def store_row(base, row, vals):
+            for j in range(NP // 4):
+                off = arith.addi(arith.muli(row, const_i32(NP * 4)), const_i32(16 * j))
+                v = vector.from_elements(v4, vals[4 * j : 4 * j + 4])
+                llvm.store(v, mgpu_utils.getelementptr(base, [off], i8), alignment=16)
+
+        src = 0
+        for b in across:  # one stage per warp-index bit: rows of other warps, through SMEM
+            with mgpu_utils.when(active):
+                partner = arith.xori(r, const_i32(1 << b))
+                mine, other = load_row(bufs[src], r), load_row(bufs[src], partner)
+                hi = high(b)
+                store_row(
+                    bufs[1 - src],
+                    r,
+                    [butterfly(hi, x, y) for x, y in zip(mine, other, strict=True)],
+                )
+            mgpu_utils.warpgroup_barrier()
+            src = 1 - src
+        with mgpu_utils.when(active):
+            vals = load_row(bufs[src], r)
+            for b in within:  # the stages within the warp
+                hi = high(b)
+                vals = [butterfly(hi, x, mgpu_utils.shfl_bfly(x, 1 << b)) for x in vals]
+            if signs is not None:  # channel c's sign into the sign bit, and 1 / sqrt(D)
+                words = [
+                    sum(1 << j for j in range(32) if 32 * w + j < D and signs[32 * w + j] < 0)
+                    for w in range(-(-D // 32))
+                ]
+                word = const_i32(words[0])
+                for w in range(1, len(words)):
+                    is_w = arith.cmpi(
+                        arith.CmpIPredicate.eq, arith.shrui(c, const_i32(5)), const_i32(w)
+                    )
+                    word = arith.select(is_w, const_i32(words[w]), word)
+                bit = arith.andi(arith.shrui(word, arith.andi(c, const_i32(31))), const_i32(1))
+                flip = arith.shli(bit, const_i32(31))
+                norm = arith.constant(f32, ir.FloatAttr.get(f32, 1 / np.sqrt(D)))
+                vals = [
+                    arith.mulf(arith.bitcast(f32, arith.xori(arith.bitcast(i32, x), flip)), norm)
+                    for x in vals
                 ]
             col = arith.muli(c, const_i32(dtype.itemsize))
             for n, x in enumerate(vals):
@@ -222,4 +315,4 @@ def transpose_rows(o_s, out_s, *, rows, interpret):
                 at = mgpu_utils.getelementptr(out_base, [off], i8)
                 llvm.store(x, at, alignment=dtype.itemsize)
 
-    move(o_s, out_s)
+    move(o_s, out_s, o_s if spare is None else spare)
