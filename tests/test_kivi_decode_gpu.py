@@ -121,9 +121,9 @@ ROTATED_CASES = [*GPU_WINDOW_CASES[:2], GPU_WINDOW_CASES[5], SKIP_CASES[1]]
 @pytest.mark.parametrize("case", ROTATED_CASES, ids=ids(ROTATED_CASES))
 def test_gpu_rotations_match_reference(case, sinks):
     """q rotated and o rotated back by the call (`q_signs`, `o_signs`) natively: q in the
-    kernel's prologue (the windows' launches without sinks in their chunk), else in XLA before
-    the launch; o where the kernel writes the final rows (the one-row case), else in the XLA
-    merge; as the twin, and as the call on q rotated beforehand with its o rotated back."""
+    kernel's prologue (the windows' launches, the sinks in their chunk or not), else in XLA's
+    preparation of q; o where the kernel writes the final rows (the one-row case), else in the
+    XLA merge; as the twin, and as the call on q rotated beforehand with its o rotated back."""
     run_case(case, 13, False, sinks=sinks, rotated=True)
 
 

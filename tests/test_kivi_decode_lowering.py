@@ -99,14 +99,14 @@ def test_rotations_in_the_kernel_cross_lower_for_sm90(name, final_rows):
     final rows (`q_signs`, `o_signs`): the Walsh-Hadamard stages across a row's lanes are warp
     shuffles, three per column of a thread's 16 for the codes' tile and the windows' (D = 128:
     8 blocks of 16 columns per row), and for the output five per padded head (the channel bits
-    of a warp's 32 lanes; the other two through shared memory); none without them. (With the
-    sinks in the kernel's chunk q is rotated before the launch, `rotation_before_launch`.)"""
+    of a warp's 32 lanes; the other two through shared memory); none without them; the same
+    with the sinks in the kernel's chunk (which reads the windows' tile of q)."""
     shuffles = lambda modules: "".join(modules).count("nvvm.shfl.sync bfly")
-    case, of_o = ROTATED[name], (5 * 8 if final_rows else 0)
-    plain, rotated = cross_lower(case), cross_lower(case, rotated=True)
-    assert shuffles(rotated) - shuffles(plain) == 2 * 3 * 16 + of_o
-    plain, rotated = cross_lower(case, sinks=8), cross_lower(case, sinks=8, rotated=True)
-    assert shuffles(rotated) - shuffles(plain) == of_o
+    case = ROTATED[name]
+    for sinks in (0, 8):
+        plain = cross_lower(case, sinks=sinks)
+        rotated = cross_lower(case, sinks=sinks, rotated=True)
+        assert shuffles(rotated) - shuffles(plain) == 2 * 3 * 16 + (5 * 8 if final_rows else 0)
 
 
 def test_window_gating():

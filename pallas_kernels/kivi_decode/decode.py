@@ -231,17 +231,6 @@ def sink_keys(q, sinks, layer, sm_scale, held) -> tuple[jax.Array, jax.Array]:
     return mask_logits(s, on[:, None, :, None]), take(vs)[:, :, :, None]
 
 
-def rotation_before_launch(q, q_signs, own_sinks: bool):
-    """(q, q_signs) as the launch takes them: with the sinks in the kernel's chunk, q rotated
-    here (float32, rounded to q's dtype) and no rotation left to the kernel. There the rotation
-    in the prologue gave the sinks' logits of float32 q, not of the operand it writes for the
-    windows' and sinks' products (lse within 7e-3 of the twin, H100, 2026-12-07; the windows'
-    own products agree): not understood, so not taken."""
-    if q_signs is None or not own_sinks:
-        return q, q_signs
-    return rotated_query(q, q_signs).astype(q.dtype), None
-
-
 def rotated_query(q, signs):
     """q [B, Hq, D] in float32, rotated by the keys' rotation of `signs` (None: as it is)."""
     return q.astype(jnp.float32) if signs is None else rotate_rows(q, signs)
@@ -297,7 +286,6 @@ def kernel_call(
     W = 0 if windows is None else check_windows(windows, L, B, Hkv, D)
     window_dtype = jnp.dtype(windows[0].dtype).name if W else "bfloat16"
     own_sinks = sinks is not None and sinks_in_kernel(sinks, W, window_dtype)
-    q, q_signs = rotation_before_launch(q, q_signs, own_sinks)
     plan = Plan(
         tuning=tuning,
         B=B,

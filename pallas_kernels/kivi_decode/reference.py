@@ -22,7 +22,6 @@ from pallas_kernels.kivi_decode.decode import (
     check_sinks,
     check_windows,
     rotated_query,
-    rotation_before_launch,
     sink_keys,
     sinks_in_kernel,
 )
@@ -122,16 +121,15 @@ def kivi_decode_reference(
     f32 = jnp.float32
     if sinks is not None:
         check_sinks(sinks, L, B, Hkv, D, skip)
-    own_sinks = (
-        windows is not None
-        and sinks is not None
-        and sinks_in_kernel(sinks, windows[0].shape[3], windows[0].dtype)
-    )
-    q, q_signs = rotation_before_launch(q, check_signs(q_signs, D), own_sinks)
+    q_signs = check_signs(q_signs, D)
     q = rotated_query(q, q_signs)  # float32 from here
     # a rotated q reaches the windows' product (and the sinks' in the kernel's chunk) rounded
-    # to the windows' dtype, as the kernel's operand
-    qw = q if q_signs is None or windows is None else q.astype(windows[0].dtype).astype(f32)
+    # to the windows' dtype, as the kernel's operand; by reduce_precision, which XLA keeps
+    # (a round trip through the 16-bit dtype it may drop: its excess-precision rule)
+    qw = q
+    if q_signs is not None and windows is not None:
+        fi = jnp.finfo(windows[0].dtype)
+        qw = lax.reduce_precision(q, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
     if windows is not None:  # num_tokens: the rows' lengths; the newest W are the windows'
         W = check_windows(windows, L, B, Hkv, D)
         n_all = jnp.asarray(num_tokens, jnp.int32)
