@@ -465,36 +465,23 @@ def kernel_on_cache(
     integer kernel rotates q in its prologue and o where it writes the final rows (no launch
     before it, none after it); the others' q and o are rotated here."""
     config = cache.config
-    if in_model_basis and not config.kernel_layout:
-        q = cache.rotate_query(q)
-        o, lse = kernel_on_cache(
-            q,
-            cache,
-            layer,
-            num_tokens,
-            scale=scale,
-            interpret=interpret,
-            tuning=tuning,
-            low_precision=low_precision,
-            windows=windows,
-            sinks=sinks,
-            skip_sinks=skip_sinks,
-        )
-        return cache.unrotate_output(o).astype(out_dtype), lse
-    in_model_basis = in_model_basis and config.rotation != "none"
+    here = in_model_basis and not config.kernel_layout  # the other kernels' q and o
+    q = cache.rotate_query(q) if here else q
+    finish = lambda o: (cache.unrotate_output(o) if here else o).astype(out_dtype)
     d = q.shape[-1]
-    q_signs = rotation.sign_tuple(d) if in_model_basis and config.rotates_keys else None
-    o_signs = rotation.sign_tuple(d) if in_model_basis and config.rotates_values else None
+    in_kernel = in_model_basis and config.kernel_layout
+    q_signs = rotation.sign_tuple(d) if in_kernel and config.rotates_keys else None
+    o_signs = rotation.sign_tuple(d) if in_kernel and config.rotates_values else None
     if config.prerope_kernel_layout:
         if windows is not None:
             raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
         o, lse = _prerope_kernel(q, cache, layer, num_tokens, scale, interpret, sinks)
-        return o.astype(out_dtype), lse
+        return finish(o), lse
     if cache.config.fp8_kernel_layout:
         if windows is not None or sinks:
             raise NotImplementedError("the fp8 kernel attends the quantized slots only")
         o, lse = _fp8_kernel(q, cache, layer, num_tokens, scale, interpret)
-        return o.astype(out_dtype), lse
+        return finish(o), lse
     from pallas_kernels import kivi_decode as kernel
 
     k, v = cache.keys, cache.values

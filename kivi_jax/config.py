@@ -144,8 +144,8 @@ class KiviConfig:
     @property
     def kernel_layout(self) -> bool:
         """KIVI's axes and integer codes, no outlier channels, post-RoPE keys: what the Pallas
-        kernel reads (sinks are attended beside it, a rotation around it: q before, the output
-        after)."""
+        kernel reads (the sinks and the rotation of q and of the output in it where it can,
+        else beside it: `pallas_kernels.kivi_decode`'s sinks, q_signs and o_signs)."""
         ints = self.key_format == self.value_format == "int"
         return self.is_kivi and ints and not (self.outlier_channels or self.pre_rope)
 
