@@ -27,6 +27,7 @@ from jax import Array
 
 from pallas_kernels.rotation import hadamard_rotation
 from pallas_kernels.rotation import rotate_rows as kernel_rotate_rows
+from pallas_kernels.rotation import unrotate_rows as kernel_unrotate_rows
 
 
 @functools.cache
@@ -81,8 +82,7 @@ def rotate_rows(x: Array) -> Array:
 
 def unrotate_rows(x: Array) -> Array:
     """x [..., D] -> x R^T in float32, as one product summed over D (for attention outputs)."""
-    r = matrix(x.shape[-1])
-    return jnp.sum(x.astype(jnp.float32)[..., :, None] * r.T, axis=-2)
+    return kernel_unrotate_rows(x, sign_tuple(x.shape[-1]))
 
 
 def _check(d: int) -> None:

@@ -41,6 +41,15 @@ def unrotate_rows(x: Array, signs: tuple[float, ...]) -> Array:
     return jnp.sum(x.astype(jnp.float32)[..., :, None] * r.T, axis=-2)
 
 
+def sign_bits(signs: tuple[float, ...], width: int) -> list[int]:
+    """The sign pattern as `width`-bit words: bit j of word w set where signs[width w + j] is
+    negative (a kernel selects a thread's word and moves each bit into a float's sign bit)."""
+    return [
+        sum(1 << j for j, s in enumerate(signs[w : w + width]) if s < 0)
+        for w in range(0, len(signs), width)
+    ]
+
+
 def unrotate_stages(x: Array, signs: tuple[float, ...]) -> Array:
     """`unrotate_rows` without array constants, for a kernel body under the interpreter (which
     closes over scalars only): x [..., D] float32 -> (x H / sqrt(D)) * signs, the Walsh-
@@ -55,8 +64,7 @@ def unrotate_stages(x: Array, signs: tuple[float, ...]) -> Array:
         h *= 2
     c = lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1)
     word = jnp.uint32(0)
-    for w in range(-(-d // 32)):
-        bits = sum(1 << j for j in range(32) if 32 * w + j < d and signs[32 * w + j] < 0)
+    for w, bits in enumerate(sign_bits(signs, 32)):
         word = jnp.where(c >> 5 == w, jnp.uint32(bits), word)
     negative = (word >> (c & 31)) & 1 == 1
     return jnp.where(negative, -x, x) * np.float32(1 / np.sqrt(d))

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.rotation import unrotate_stages
+from pallas_kernels.rotation import sign_bits, unrotate_stages
 from pallas_kernels.sm90.inline import const_i32
 from pallas_kernels.sm90.layout import PLANE
 
@@ -290,10 +290,7 @@ def transpose_rows(o_s, out_s, *, rows, interpret, signs=None, spare=None):
                 hi = high(b)
                 vals = [butterfly(hi, x, mgpu_utils.shfl_bfly(x, 1 << b)) for x in vals]
             if signs is not None:  # channel c's sign into the sign bit, and 1 / sqrt(D)
-                words = [
-                    sum(1 << j for j in range(32) if 32 * w + j < D and signs[32 * w + j] < 0)
-                    for w in range(-(-D // 32))
-                ]
+                words = sign_bits(signs, 32)
                 word = const_i32(words[0])
                 for w in range(1, len(words)):
                     is_w = arith.cmpi(

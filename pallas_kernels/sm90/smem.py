@@ -26,6 +26,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.rotation import sign_bits
 from pallas_kernels.sm90.inline import (
     as_index,
     col_vector,
@@ -521,8 +522,7 @@ def q_tile(
             # the signs of this thread's block: a 16-bit pattern chosen by cb, each column's
             # bit moved to the float's sign bit
             pattern = const_i32(0)
-            for b in range(blocks):
-                bits = sum(1 << j for j in range(16) if signs[16 * b + j] < 0)
+            for b, bits in enumerate(sign_bits(signs, 16)):
                 is_b = arith.cmpi(arith.CmpIPredicate.eq, cb, const_i32(b))
                 pattern = arith.select(is_b, const_i32(bits), pattern)
             for j in range(16):
