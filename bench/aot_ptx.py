@@ -5,7 +5,8 @@
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:32 --flags "num_splits=12;stages=3" --out DIR
     .venv-aot/bin/python bench/aot_ptx.py --kbg 2:128 --window 128 --out DIR  # windows in
     .venv-aot/bin/python bench/aot_ptx.py --fp8 64 --out DIR  # the fp8 kernel (fp8_64.ptx)
-    .venv-aot/bin/python bench/aot_ptx.py --prerope 2:32 --out DIR  # keys before RoPE
+    .venv-aot/bin/python bench/aot_ptx.py --prerope 2:32 --window 0,128 --out DIR  # keys
+                                   # before RoPE: the codes alone, and with windows and sinks
     python -m bench.sass_static /tmp/ptx/*.ptx --nvdisasm ...
 
 The CUDA PJRT plugin compiles for a `GpuTargetConfigProto` (bench/h200_target_config.txtpb)
@@ -175,28 +176,41 @@ def compile_fp8_ptx(group_size: int, *, hq: int = 32, head_dim: int = 128, targe
 
 def compile_prerope_ptx(
     key_bits: int, value_bits: int, group_size: int, *, hq: int = 32, head_dim: int = 128,
-    target=TARGET,
+    window: int = 0, target=TARGET,
 ) -> str:  # fmt: skip
     """The PTX of the pre-RoPE kernel (`pallas_kernels.prerope_decode`) at the anchor's shape
     (B=8, T=128k, Hkv=8, two layers), its chosen splits, keys rotated and 8 sinks (`best3`'s
-    and `best25`'s form)."""
+    and `best25`'s form); with a `window`, the residual windows of that many slots and the
+    sink buffers in the launch (bf16), as `decode_attention` runs it, else both left out."""
     spec = _topology_spec(target)
     L, B, T, J = 2, ANCHOR_BATCH, ANCHOR_TOKENS, head_dim // group_size
     s = lambda shape, dtype: spec(jax.ShapeDtypeStruct(shape, dtype))
     pk, pv = 8 // key_bits, 8 // value_bits
     v_codes = (T // (64 * pv), head_dim, 64) if value_bits == 2 else (head_dim, T // pv)
-    f = jax.jit(
-        functools.partial(
-            prerope_decode,
+    per_row = lambda shape: (L, B, KV_HEADS, *shape)
+    full = ()
+    if window:  # windows, then sinks: passed after the cache's arrays
+        bf16 = lambda shape: s(per_row(shape), jnp.bfloat16)
+        full = (bf16((window, head_dim)), bf16((head_dim, window)))
+        full += (bf16((8, head_dim)), bf16((8, head_dim)))
+
+    def call(*a):
+        cache = a[: len(a) - len(full)]
+        kw, vw, ks, vs = a[len(cache) :] if full else (None,) * 4
+        return prerope_decode(
+            *cache,
             key_bits=key_bits,
             value_bits=value_bits,
             group_size=group_size,
             sm_scale=1 / math.sqrt(head_dim),
             basis_scale=1 / math.sqrt(head_dim),
-            sinks=8,
+            skip=8,
+            windows=(kw, vw) if full else None,
+            sinks=(ks, vs) if full else None,
+            max_len=T + window if window else 0,
         )
-    )
-    per_row = lambda shape: (L, B, KV_HEADS, *shape)
+
+    f = jax.jit(call)
     return _dumped_ptx(
         f,
         s((B, hq, head_dim), jnp.bfloat16),
@@ -210,6 +224,7 @@ def compile_prerope_ptx(
         s((), jnp.int32),
         s((head_dim // 2,), jnp.float32),
         s((head_dim, head_dim), jnp.float32),
+        *full,
     )
 
 
@@ -253,10 +268,12 @@ def main(argv=None) -> list[Path]:
         return paths
     if a.prerope:
         for kb, vb, g in parse_kbg(a.prerope):
-            path = out / f"prerope_{kb}_{vb}_{g}.ptx"
-            path.write_text(compile_prerope_ptx(kb, vb, g, hq=a.hq, head_dim=a.D))
-            print(path, flush=True)
-            paths.append(path)
+            for w in (int(x) for x in a.window.split(",")):
+                path = out / f"prerope_{kb}_{vb}_{g}{f'_w{w}' if w else ''}.ptx"
+                ptx = compile_prerope_ptx(kb, vb, g, hq=a.hq, head_dim=a.D, window=w)
+                path.write_text(ptx)
+                print(path, flush=True)
+                paths.append(path)
         return paths
     for kb, vb, g in parse_kbg(a.kbg):
         for flags in a.flags.split(";"):

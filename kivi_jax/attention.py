@@ -459,11 +459,11 @@ def kernel_on_cache(
     the first shard only; `parallel.local_attention` attends them beside it). An fp8 cache
     (`KiviConfig.fp8_kernel_layout`) runs `pallas_kernels.fp8_decode`, which takes neither
     windows nor sinks; a cache of keys quantized before RoPE (`prerope_kernel_layout`)
-    `pallas_kernels.prerope_decode`, which takes no windows and masks the sinks by position
-    (attended beside it). `in_model_basis`: q as the model made it and o returned so, not in
-    the stored keys' and values' bases (`KiviCache.rotate_query`, `unrotate_output`): the
-    integer kernel rotates q in its prologue and o where it writes the final rows (no launch
-    before it, none after it); the others' q and o are rotated here."""
+    `pallas_kernels.prerope_decode`, which takes both (in one more unit of its launch) where
+    their shapes allow it (`_prerope_kernel`). `in_model_basis`: q as the model made it and o
+    returned so, not in the stored keys' and values' bases (`KiviCache.rotate_query`,
+    `unrotate_output`): the integer kernel rotates q in its prologue and o where it writes the
+    final rows (no launch before it, none after it); the others' q and o are rotated here."""
     config = cache.config
     here = in_model_basis and not config.kernel_layout  # the other kernels' q and o
     q = cache.rotate_query(q) if here else q
@@ -473,9 +473,7 @@ def kernel_on_cache(
     q_signs = rotation.sign_tuple(d) if in_kernel and config.rotates_keys else None
     o_signs = rotation.sign_tuple(d) if in_kernel and config.rotates_values else None
     if config.prerope_kernel_layout:
-        if windows is not None:
-            raise NotImplementedError("the pre-RoPE kernel attends the quantized slots only")
-        o, lse = _prerope_kernel(q, cache, layer, num_tokens, scale, interpret, sinks)
+        o, lse = _prerope_kernel(q, cache, layer, num_tokens, scale, interpret, sinks, windows)
         return finish(o), lse
     if cache.config.fp8_kernel_layout:
         if windows is not None or sinks:
@@ -540,11 +538,14 @@ def _fp8_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret):
     )
 
 
-def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, sinks: bool):
+def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, sinks: bool,
+                    windows=None):  # fmt: skip
     """`pallas_kernels.prerope_decode.prerope_decode` over a cache of keys quantized before
     RoPE: (o [B, Hq, D], lse [B, Hq]) float32 of positions [N, num_tokens) (N sinks, whose
-    codes are never read) and, with `sinks`, of the quantized sinks from their buffers
-    (`_prerope_beside`). NotImplementedError for shapes the kernel does not take."""
+    codes are never read) and, with `sinks`, of the quantized sinks from their buffers (in the
+    launch where it takes them, `takes_sinks`, else beside it: `_prerope_beside`); with
+    `windows` (the cache's, num_tokens the rows' lengths) of the whole rows in one launch.
+    NotImplementedError for shapes the kernel does not take."""
     from pallas_kernels import prerope_decode as kernel
 
     config, d, group = cache.config, q.shape[-1], q.shape[1] // cache.kv_heads
@@ -559,6 +560,14 @@ def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, si
             f"head, got D={d}, G={config.group_size}, {group}"
         )
     k, v = cache.keys, cache.values
+    buffers = (k.sink, v.sink) if sinks and k.sinks else None
+    in_launch = buffers is not None and kernel.takes_sinks(*buffers)
+    if windows is not None and (
+        cache.seq_axis is not None
+        or not kernel.takes_windows(*windows)
+        or (buffers is not None and not in_launch)
+    ):
+        raise NotImplementedError("the pre-RoPE kernel does not take these windows")
     rotated = config.rotates_keys  # the stored keys are x R: x = stored R^T
     o, lse = kernel.prerope_decode(
         q,
@@ -577,11 +586,14 @@ def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, si
         group_size=config.group_size,
         sm_scale=scale,
         basis_scale=1 / math.sqrt(d) if rotated else 1.0,
-        sinks=k.sinks,
+        skip=k.sinks,
         origin=cache._origin(),
+        windows=windows,
+        sinks=buffers if in_launch else None,
+        max_len=cache.max_len if windows is not None else 0,
         interpret=interpret,
     )
-    if not (sinks and k.sinks):
+    if buffers is None or in_launch:
         return o, lse
     o, lse = _settled(o, lse, interpret)  # before the eager ops of the sinks' part
     qg = _group_query(q, cache.kv_heads, scale)

@@ -28,13 +28,19 @@ per plane:
              value minimums times P accumulate per slot and are summed over the slots once,
              at the end
 
+With residual windows or sink buffers (16-bit, full precision), one more unit per (b, h)
+attends them in planes of 64 slots through the same steps: their keys in channel order (the
+basis's second pair of halves), the values meeting P in their own dtype straight from the
+buffers; its partial joins the merge.
+
 Every product reads shared memory (SMEM x SMEM wgmma), which the GPU interpreter runs: the CPU
 tests run the kernel itself.
 
 Edges: a row with no held position gives o = 0, lse = -inf; a layer outside [0, L) gives NaN
-(reads clamped); positions below `sinks` are not attended (the caller attends the sink
-buffers); non-finite scales or minimums give NaN in the rows and heads that attend them.
-fp16 bounds |dequantized key| and |q * sm_scale * log2(e)| below 65504.
+(reads clamped); positions below `skip` are not read from the codes (the sinks: their buffers,
+in the launch or by the caller); non-finite scales or minimums give NaN in the rows and heads
+that attend them. fp16 bounds |dequantized key|, |window or sink key| and |q * sm_scale *
+log2(e)| below 65504.
 """
 
 from __future__ import annotations
@@ -148,14 +154,17 @@ def check_inputs(
         raise ValueError(f"num_tokens must be integer, got {num_tokens.dtype}")
 
 
-def key_basis_halves(key_basis, key_bits: int, basis_scale: float):
+def key_basis_halves(key_basis, key_bits: int | None, basis_scale: float):
     """The basis B [D, D] (a dequantized key row x, channels in order, is x B in the model's
     basis before RoPE: R^T for rotated keys, else the identity) as the kernel's two operands
     [2, D/2, D] fp16: half h, row c', column p is B[ch(p), h D/2 + c'] / basis_scale, ch(p) the
-    channel stored at byte p of a key row (`stored_byte`), so that the product also undoes the
-    byte swap. With basis_scale 1/sqrt(D) a Hadamard basis is +-1: exact in fp16."""
+    channel stored at byte p of a row of `key_bits`-bit codes (`stored_byte`), so that the
+    product also undoes the byte swap; key_bits None: p itself (keys in channel order, as the
+    windows and sinks hold them). With basis_scale 1/sqrt(D) a Hadamard basis is +-1: exact
+    in fp16."""
     d = key_basis.shape[0]
-    rows = jnp.asarray(key_basis, jnp.float32)[stored_byte(np.arange(d), key_bits)] / basis_scale
+    order = np.arange(d) if key_bits is None else stored_byte(np.arange(d), key_bits)
+    rows = jnp.asarray(key_basis, jnp.float32)[order] / basis_scale
     return rows.T.reshape(2, d // 2, d).astype(jnp.float16)
 
 
@@ -213,10 +222,17 @@ def _keys(k_s, ks_s, km_s, freq_s, basis_s, slot, quarter, first_slot, origin,
     pk = codes_per_byte(key_bits)
     codes = _plane_codes(k_s.at[slot, quarter // pk], key_bits, quarter % pk, jnp.float32)
     scale, minimum = _key_rows(ks_s, km_s, slot, quarter, group_size, codes.shape)
+    position = lambda rows: origin + cache_slot(first_slot + rows)
+    return _rope_keys(codes * scale + minimum, basis_s, freq_s, position, basis_scale)
+
+
+def _rope_keys(x, basis_s, freq_s, position, basis_scale):
+    """Key rows x float32 [64, D] (in the basis's row order) -> float32 halves (lo, hi)
+    [64, D/2] of RoPE(x B), row r at position(r) (int32, given an iota of rows [64, D/2])."""
     half = basis_s.shape[1]
 
     def basis(kd_s):
-        kd_s[...] = (codes * scale + minimum).astype(jnp.float16)
+        kd_s[...] = x.astype(jnp.float16)
         plgpu.commit_smem()
 
         def products(acc_lo, acc_hi):  # both in flight before the first wait
@@ -227,9 +243,9 @@ def _keys(k_s, ks_s, km_s, freq_s, basis_s, slot, quarter, first_slot, origin,
         acc = plgpu.ACC((CACHE_PLANE, half), jnp.float32)
         return pl.run_scoped(products, acc, acc)
 
-    lo, hi = pl.run_scoped(basis, smem(codes.shape, jnp.float16, codes.shape[-1]))
-    position = origin + cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, lo.shape, 0))
-    cos, sin = _cos_sin(position.astype(jnp.float32) * freq_s[...][None, :])
+    lo, hi = pl.run_scoped(basis, smem(x.shape, jnp.float16, x.shape[-1]))
+    rows = lax.broadcasted_iota(jnp.int32, lo.shape, 0)
+    cos, sin = _cos_sin(position(rows).astype(jnp.float32) * freq_s[...][None, :])
     cos, sin = cos * basis_scale, sin * basis_scale
     return lo * cos - hi * sin, hi * cos + lo * sin
 
@@ -298,23 +314,44 @@ def _values(p, v_s, vs_s, perm_s, slot, quarter, *, value_bits, group_size):
     return out
 
 
-def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale):
-    """The kernel body for splits of `per_split` 256-token blocks."""
+def _softmax_step(m, l, logits):
+    """One plane of the online softmax over axis 0 (log2 units): (P, alpha, m, l)."""
+    m_new = jnp.maximum(m, logits.max(axis=0))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits - m_new[None, :])
+    return p, alpha, m_new, l * alpha + p.sum(axis=0)
+
+
+def _store_partial(o_g, lse_g, b, h, split, o, m, l):
+    """The unit's normalized partial: o^T [D, N] and lse (log2 units); o = 0, lse = -inf
+    where it attended nothing."""
+    empty = l == 0.0
+    norm = jnp.where(empty, 1.0, l)
+
+    def store(o_s, lse_s):
+        o_s[...] = o / norm[None, :]
+        lse_s[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(norm))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, split])
+        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM(o.shape, jnp.float32), plgpu.SMEM(m.shape, jnp.float32))
+
+
+def _codes_unit(refs, scratch, b, h, split, layer, origin, held, *, key_bits, value_bits,
+                group_size, per_split, stages, skip, basis_scale):  # fmt: skip
+    """Unit (b, h, split) over its split's 256-token blocks of codes: positions [skip,
+    held) at origin + slot."""
+    q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, o_g, lse_g = refs
+    q_s, freq_s, basis_s, perm_s, fixed = scratch
     k_pieces = 4 // codes_per_byte(key_bits)  # 64-row pieces of a block's key codes
     v_pieces = 4 // codes_per_byte(value_bits)
     blocked = value_codes_blocked(value_bits)
+    first = split * per_split
+    blocks = jnp.clip(pl.cdiv(held, CACHE_BLOCK) - first, 0, per_split)
 
-    # the name Mosaic gives the kernel, which profiles show
-    def prerope_decode_kernel(
-        q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, held_g, meta_g, freq_g, basis_g, perm_g,
-        o_g, lse_g, *scratch,
-    ):  # fmt: skip
-        (q_s, k_s, ks_s, km_s, v_s, vs_s, vm_s, freq_s, basis_s, perm_s, loaded,
-         fixed) = scratch  # fmt: skip
-        b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-        layer, origin, held = meta_g[0], meta_g[1], held_g[b]
-        first = split * per_split
-        blocks = jnp.clip(pl.cdiv(held, CACHE_BLOCK) - first, 0, per_split)
+    def run(k_s, ks_s, km_s, v_s, vs_s, vm_s, loaded):
         groups = ks_s.shape[1]  # key groups per block
 
         def fetch(t, slot):
@@ -337,14 +374,9 @@ def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scal
             plgpu.copy_gmem_to_smem(vs_g.at[layer, b, h, :, slots], vs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(vm_g.at[layer, b, h, :, slots], vm_s.at[slot], bar)
 
-        bar = fixed.at[0]
-        plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
-        plgpu.copy_gmem_to_smem(freq_g, freq_s, bar)
-        plgpu.copy_gmem_to_smem(basis_g, basis_s, bar)
-        plgpu.copy_gmem_to_smem(perm_g, perm_s, bar)
         for t in range(stages):
             pl.when(t < blocks)(functools.partial(fetch, t, t))
-        plgpu.barrier_wait(bar)
+        plgpu.barrier_wait(fixed)  # q, the frequencies, the basis and the swap
 
         J, N = vs_s.shape[1], q_s.shape[1]
         D = 2 * q_s.shape[2]
@@ -357,11 +389,8 @@ def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scal
                            basis_scale=basis_scale)  # fmt: skip
             logits = _scores(q_s, lo, hi)
             local = cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, logits.shape, 0))
-            logits = jnp.where((local < held) & (origin + local >= sinks), logits, -jnp.inf)
-            m_new = jnp.maximum(m, logits.max(axis=0))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(logits - m_new[None, :])
-            l = l * alpha + p.sum(axis=0)
+            logits = jnp.where((local < held) & (origin + local >= skip), logits, -jnp.inf)
+            p, alpha, m, l = _softmax_step(m, l, logits)
             pv = _values(p, v_s, vs_s, perm_s, slot, quarter, value_bits=value_bits,
                          group_size=group_size)  # fmt: skip
             # each value group's minimum weighs the slots' P: summed over the slots once, at
@@ -371,7 +400,7 @@ def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scal
                 z * alpha[None, :] + p * vm_s[slot, g, cols].astype(jnp.float32)[:, None]
                 for g, z in enumerate(shifts)
             )
-            return o * alpha[None, :] + pv, m_new, l, shifts
+            return o * alpha[None, :] + pv, m, l, shifts
 
         def step(t, carry):
             slot = lax.rem(t, stages)
@@ -379,8 +408,14 @@ def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scal
             plgpu.barrier_wait(loaded.at[slot])
             for quarter in range(4):  # the block's four planes of 64 slots
                 carry = plane(carry, slot, blk, quarter)
-            # every copy of the slot was read before the last plane's products: refill it
-            pl.when(t + stages < blocks)(lambda: fetch(t + stages, slot))
+
+            # the slot's last readers are every warp's (the value minimums after the last
+            # plane's products): all of them pass the barrier before its refill is issued
+            @pl.when(t + stages < blocks)
+            def _():
+                plgpu.commit_smem()
+                fetch(t + stages, slot)
+
             return carry
 
         zeros = lambda shape: jnp.zeros(shape, jnp.float32)
@@ -393,66 +428,242 @@ def _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scal
         for g, z in enumerate(shifts):
             z = z.sum(axis=0)[None, :]
             shift = z if shift is None else jnp.where(row_group == g, z, shift)
-        empty = l == 0.0  # no position of the split is held
-        norm = jnp.where(empty, 1.0, l)
+        _store_partial(o_g, lse_g, b, h, split, o + shift, m, l)
 
-        def epilogue(o_s, lse_s):
-            o_s[...] = (o + shift) / norm[None, :]
-            lse_s[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(norm))
+    D = 2 * q_s.shape[2]
+    J = D // group_size
+    pl.run_scoped(
+        run,
+        smem((stages, k_pieces, CACHE_PLANE, D), jnp.uint8, D),  # key codes
+        smem((stages, CACHE_BLOCK // group_size, D), ks_g.dtype),  # key scales
+        smem((stages, CACHE_BLOCK // group_size, D), km_g.dtype),  # key minimums
+        smem((stages, v_pieces, D, CODE_BLOCK), jnp.uint8, CODE_BLOCK),  # V^T codes
+        smem((stages, J, CACHE_BLOCK), vs_g.dtype),  # value scales
+        smem((stages, J, CACHE_BLOCK), vm_g.dtype),  # value minimums
+        plgpu.Barrier(num_arrivals=k_pieces + v_pieces + 4, num_barriers=stages),
+    )
+
+
+def _tail_unit(refs, scratch, b, h, split, layer, held, length, *, window, sinks,
+               basis_scale):  # fmt: skip
+    """Unit (b, h, split) over the full-precision slots: the sink buffers' first N, those
+    below `held` (the positions the codes hold), then the residual windows' W slots (token p
+    of a row of `length` tokens in slot p % W), plane by plane through one pair of buffers
+    (so that the unit needs no more shared memory than a unit of codes). Keys as stored
+    (rotated, before RoPE, in channel order: the basis's natural halves); values as the
+    windows' dtype, whose P rounds to it."""
+    q_g, kw_g, vw_g, sk_g, sv_g, o_g, lse_g = refs
+    q_s, freq_s, basis_s, fixed = scratch
+    N, D = q_s.shape[1], 2 * q_s.shape[2]
+    dtype = (kw_g if window else sk_g).dtype
+
+    def plane(carry, kt_s, logits_mask, position, values):
+        o, m, l = carry
+        x = kt_s[...].astype(jnp.float32)
+        lo, hi = _rope_keys(x, basis_s, freq_s, position, basis_scale)
+        logits = _scores(q_s, lo, hi)
+        rows = lax.broadcasted_iota(jnp.int32, logits.shape, 0)
+        p, alpha, m, l = _softmax_step(m, l, jnp.where(logits_mask(rows), logits, -jnp.inf))
+
+        def product(p_s):
+            p_s.T[...] = p.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, split])
-            plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, split])
-            plgpu.wait_smem_to_gmem(0)
+            return smem_product(values, p_s.T, (D, N))
 
-        pl.run_scoped(epilogue, plgpu.SMEM((D, N), jnp.float32), plgpu.SMEM((N,), jnp.float32))
+        pv = pl.run_scoped(product, smem((N, CACHE_PLANE), dtype, CACHE_PLANE))
+        return o * alpha[None, :] + pv, m, l
+
+    def sink_plane(carry, kt_s, sv_s, bar):
+        # the value rows past the N sinks weigh P = 0 but must be finite: zeros, written
+        # before the copies of the first N rows land
+        sv_s[...] = jnp.zeros(sv_s.shape, dtype)
+        plgpu.commit_smem()
+        rows = pl.ds(0, sinks)
+        plgpu.copy_gmem_to_smem(sk_g.at[layer, b, h], kt_s.at[rows], bar)
+        plgpu.copy_gmem_to_smem(sv_g.at[layer, b, h], sv_s.at[rows], bar)
+        plgpu.barrier_wait(fixed)
+        plgpu.barrier_wait(bar)
+        mask = lambda j: (j < sinks) & (j < held)
+        return plane(carry, kt_s, mask, lambda j: j, sv_s.T)
+
+    def window_planes(carry, kt_s, vw_s, bar):
+        for i in range(window // CACHE_PLANE):
+            if i or sinks:  # the previous plane's reads are done (commit_smem's barrier)
+                plgpu.commit_smem()
+            cols = pl.ds(i * CACHE_PLANE, CACHE_PLANE)
+            plgpu.copy_gmem_to_smem(kw_g.at[layer, b, h, cols], kt_s, bar)
+            plgpu.copy_gmem_to_smem(vw_g.at[layer, b, h, :, cols], vw_s, bar)
+            if not (i or sinks):
+                plgpu.barrier_wait(fixed)
+            plgpu.barrier_wait(bar)
+            # slot s holds the newest position p < length with p = s (mod W); none if p < 0
+            at = lambda r, i=i: length - 1 - lax.rem(length - 1 - (i * CACHE_PLANE + r) + window,
+                                                     window)  # fmt: skip
+            carry = plane(carry, kt_s, lambda r, at=at: at(r) >= 0, at, vw_s)
+        return carry
+
+    zeros = lambda shape: jnp.zeros(shape, jnp.float32)
+    carry = (zeros((D, N)), jnp.full((N,), -1e30, jnp.float32), zeros((N,)))
+    plane_buffer = lambda rows, cols: smem((rows, cols), dtype, cols)
+    copies = plgpu.Barrier(num_arrivals=2)
+    if sinks:
+        carry = pl.run_scoped(
+            functools.partial(sink_plane, carry),
+            plane_buffer(CACHE_PLANE, D), plane_buffer(CACHE_PLANE, D), copies,
+        )  # fmt: skip
+    if window:
+        carry = pl.run_scoped(
+            functools.partial(window_planes, carry),
+            plane_buffer(CACHE_PLANE, D), plane_buffer(D, CACHE_PLANE), copies,
+        )  # fmt: skip
+    _store_partial(o_g, lse_g, b, h, split, *carry)
+
+
+def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale, splits,
+          window, sinks, max_len, layers, capacity):  # fmt: skip
+    """The kernel body for `splits` splits of `per_split` 256-token blocks and, with a
+    `window` or `sinks`, one more unit per (row, kv head) for them. The row lengths, the layer
+    (clamped here) and the origin come as they are: no launch before it prepares them."""
+    tail = bool(window or sinks)
+
+    # the name Mosaic gives the kernel, which profiles show
+    def prerope_decode_kernel(q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, n_g, layer_g, origin_g,
+                              freq_g, basis_g, perm_g, *refs):  # fmt: skip
+        *full, o_g, lse_g, q_s, freq_s, basis_s, perm_s, fixed = refs
+        kw_g, vw_g = full[:2] if window else (None, None)
+        sk_g, sv_g = full[-2:] if sinks else (None, None)
+        b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        layer, origin = jnp.clip(layer_g[0], 0, layers - 1), origin_g[0]
+        held, length = held_positions(n_g[b], window, max_len, capacity)
+        bar = fixed.at[0]
+        plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
+        plgpu.copy_gmem_to_smem(freq_g, freq_s, bar)
+        # the tail unit's keys are in channel order: the basis's second pair of halves (a
+        # slice, not an index, which would leave TMA one dimension too many)
+        basis = basis_g.at[pl.ds(2 * (split == splits).astype(jnp.int32), 2)] if tail else basis_g
+        plgpu.copy_gmem_to_smem(basis, basis_s, bar)
+        plgpu.copy_gmem_to_smem(perm_g, perm_s, bar)
+        codes = functools.partial(
+            _codes_unit, (q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, o_g, lse_g),
+            (q_s, freq_s, basis_s, perm_s, bar), b, h, split, layer, origin, held,
+            key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+            per_split=per_split, stages=stages, skip=skip, basis_scale=basis_scale,
+        )  # fmt: skip
+        if not tail:
+            return codes()
+        pl.when(split < splits)(codes)
+        pl.when(split == splits)(
+            functools.partial(
+                _tail_unit,
+                (q_g, kw_g, vw_g, sk_g, sv_g, o_g, lse_g),
+                (q_s, freq_s, basis_s, bar),
+                b,
+                h,
+                split,
+                layer,
+                held,
+                length,
+                window=window,
+                sinks=sinks,
+                basis_scale=basis_scale,
+            )  # fmt: skip
+        )
 
     return prerope_decode_kernel
 
 
 def _launch(
-    qh, k_codes, ks, km, v_codes, vs, vm, held, meta, freq, basis, perm, *, key_bits,
-    value_bits, group_size, splits, stages, sinks, basis_scale, interpret,
+    qh, k_codes, ks, km, v_codes, vs, vm, n, layer, origin, freq, basis, perm, full, *,
+    key_bits, value_bits, group_size, splits, stages, skip, window, sinks, max_len,
+    basis_scale, interpret,
 ):  # fmt: skip
-    """The kernel over every unit: (o^T [B, Hkv, S, D, N], lse [B, Hkv, S, N], log2 units)."""
+    """The kernel over every unit: (o^T [B, Hkv, S, D, N], lse [B, Hkv, S, N], log2 units),
+    S = splits, plus one for the tail unit where there is a window or sinks (`full`: their
+    buffers, windows first)."""
     B, H, _, N, half = qh.shape
     D = 2 * half
     Tq = vs.shape[-1]
     per_split = -(-(Tq // CACHE_BLOCK) // splits)
-    J = D // group_size
-    k_pieces, v_pieces = 4 // codes_per_byte(key_bits), 4 // codes_per_byte(value_bits)
-    copies = k_pieces + v_pieces + 4
+    units = splits + bool(window or sinks)
+    body = _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale,
+                 splits, window, sinks, max_len, k_codes.shape[0], Tq)  # fmt: skip
     return plgpu.kernel(
-        _body(key_bits, value_bits, group_size, per_split, stages, sinks, basis_scale),
+        body,
         out_type=(
-            jax.ShapeDtypeStruct((B, H, splits, D, N), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, splits, N), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, units, D, N), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, units, N), jnp.float32),
         ),
-        grid=(B, H, splits),
+        grid=(B, H, units),
         grid_names=("b", "h", "s"),
         scratch_types=[
             smem((2, N, half), jnp.float16, half),  # q halves
-            smem((stages, k_pieces, CACHE_PLANE, D), jnp.uint8, D),  # key codes
-            smem((stages, CACHE_BLOCK // group_size, D), ks.dtype),  # key scales
-            smem((stages, CACHE_BLOCK // group_size, D), km.dtype),  # key minimums
-            smem((stages, v_pieces, D, CODE_BLOCK), jnp.uint8, CODE_BLOCK),  # V^T codes
-            smem((stages, J, CACHE_BLOCK), vs.dtype),  # value scales
-            smem((stages, J, CACHE_BLOCK), vm.dtype),  # value minimums
             smem((half,), jnp.float32),  # RoPE inverse frequencies
             smem((2, half, D), jnp.float16, D),  # the basis halves (transposed)
             smem((CACHE_PLANE, CACHE_PLANE), jnp.bfloat16, CACHE_PLANE),  # the swap
-            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=4, num_barriers=1),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),  # `_cos_sin`, exp2
         **interpret_option(interpret),
-    )(qh, k_codes, ks, km, v_codes, vs, vm, held, meta, freq, basis, perm)
+    )(qh, k_codes, ks, km, v_codes, vs, vm, n, layer, origin, freq, basis, perm, *full)
+
+
+def takes_sinks(k_sink, v_sink) -> bool:
+    """Whether the launch attends these sink buffers [L, B, Hkv, N, D] itself: N a multiple of
+    8 up to 64 (the keys land in whole 8-row tiles of a plane's buffer), one 16-bit dtype."""
+    n = k_sink.shape[-2]
+    return n % 8 == 0 and 0 < n <= CACHE_PLANE and _sixteen_bit(k_sink, v_sink)
+
+
+def takes_windows(k_window, v_window) -> bool:
+    """Whether the launch attends these residual windows (k [L, B, Hkv, W, D], v [L, B, Hkv,
+    D, W]) itself: W a multiple of 64 (whole planes), one 16-bit dtype."""
+    w = k_window.shape[-2]
+    return w > 0 and w % CACHE_PLANE == 0 and _sixteen_bit(k_window, v_window)
+
+
+def _sixteen_bit(*arrays) -> bool:
+    dtypes = {jnp.dtype(x.dtype) for x in arrays}
+    return len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+
+
+def check_full_precision(windows, sinks, skip, origin, *, L, B, H, D, Tq):
+    """ValueError for residual windows or sink buffers the kernel does not take: (W, N)."""
+    window = n_sinks = 0
+    dtypes = set()
+    if windows is not None:
+        kw, vw = windows
+        window = kw.shape[-2] if kw.ndim == 5 else -1
+        if window <= 0 or window % CACHE_PLANE:
+            raise ValueError(f"the windows' W must be a positive multiple of {CACHE_PLANE}")
+        want = {"k_window": (L, B, H, window, D), "v_window": (L, B, H, D, window)}
+        for name, x in zip(want, windows, strict=True):
+            if tuple(x.shape) != want[name]:
+                raise ValueError(f"{name} must be {want[name]}, got {x.shape}")
+        if not (isinstance(origin, int) and origin == 0):
+            raise ValueError("the windows are a whole row's: origin must be 0")
+        dtypes |= {kw.dtype, vw.dtype}
+    if sinks is not None:
+        n_sinks = sinks[0].shape[-2] if sinks[0].ndim == 5 else -1
+        if not 0 < n_sinks <= CACHE_PLANE or n_sinks % 8:
+            raise ValueError(f"N sinks must be a multiple of 8 up to {CACHE_PLANE}")
+        for name, x in zip(("k_sink", "v_sink"), sinks, strict=True):
+            if tuple(x.shape) != (L, B, H, n_sinks, D):
+                raise ValueError(f"{name} must be {(L, B, H, n_sinks, D)}, got {x.shape}")
+        if skip != n_sinks:
+            raise ValueError(f"skip must be N = {n_sinks} with the sink buffers, got {skip}")
+        dtypes |= {sinks[0].dtype, sinks[1].dtype}
+    if dtypes - {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)} or len(dtypes) > 1:
+        raise ValueError(f"windows and sinks must share one 16-bit dtype, got {dtypes}")
+    if n_sinks > Tq:
+        raise ValueError(f"N = {n_sinks} sinks exceed the {Tq} slots")
+    return window, n_sinks
 
 
 def prerope_decode(
     q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
     key_basis=None, *, key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-    basis_scale: float = 1.0, sinks: int = 0, origin=0, splits: int | None = None,
-    stages: int = STAGES, interpret=False,
+    basis_scale: float = 1.0, skip: int = 0, origin=0, windows=None, sinks=None,
+    max_len: int = 0, splits: int | None = None, stages: int = STAGES, interpret=False,
 ):  # fmt: skip
     """Decode attention of q [B, Hq, D] over positions [0, num_tokens[b]) of `layer` of a KIVI
     store pair whose keys were quantized before RoPE, as the cache holds it
@@ -463,7 +674,16 @@ def prerope_decode(
     model's basis (`key_basis` [D, D], identity if None; the Hadamard un-rotation R^T for
     rotated keys, with basis_scale = 1/sqrt(D) so that B / basis_scale is exact in fp16), then
     rotated by RoPE at its position origin + t with `inv_freq` [D/2] (the half-split layout,
-    angles in float32). Positions below `sinks` are left to the caller (the sink buffers).
+    angles in float32). Positions below `skip` are not read from the codes.
+
+    `windows`: (k_window [L, B, Hkv, W, D], v_window [L, B, Hkv, D, W]), the cache's residual
+    windows (16-bit, as the cache stores them: keys before RoPE and in the codes' basis, W a
+    multiple of 64, token p of a row in slot p % W, origin 0): num_tokens[b] is then the row's
+    length n (capped at `max_len` if > 0), the codes hold positions [skip, n - W) and the
+    windows the min(n, W) newest. `sinks`: (k_sink, v_sink) [L, B, Hkv, N, D] (skip = N): the
+    first N positions in full precision, attended from these buffers where the codes hold
+    them (below num_tokens, or n - W with windows). Both go to one more unit per (row, kv
+    head) of the launch, merged with the splits.
     -> (o [B, Hq, D] float32, lse [B, Hq] float32, natural log). Module doc: the edges."""
     D = q.shape[-1]
     key_basis = jnp.eye(D, dtype=jnp.float32) if key_basis is None else key_basis
@@ -472,45 +692,59 @@ def prerope_decode(
                  group_size=group_size)  # fmt: skip
     L, B, H = k_codes.shape[:3]
     Tq = capacity_of(v_codes, value_bits)
+    check_full_precision(windows, sinks, skip, origin, L=L, B=B, H=H, D=D, Tq=Tq)
     splits = choose_splits(B, H, Tq) if splits is None else splits
     if not 1 <= splits <= Tq // CACHE_BLOCK or stages < 1:
         raise ValueError(f"splits must be in [1, {Tq // CACHE_BLOCK}] and stages >= 1")
     return _prerope_decode(
         q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
-        key_basis, origin, key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-        sm_scale=sm_scale, basis_scale=basis_scale, sinks=sinks, splits=splits,
-        stages=stages, interpret=interpret,
+        key_basis, origin, windows, sinks, key_bits=key_bits, value_bits=value_bits,
+        group_size=group_size, sm_scale=sm_scale, basis_scale=basis_scale, skip=skip,
+        max_len=max_len, splits=splits, stages=stages, interpret=interpret,
     )  # fmt: skip
+
+
+def held_positions(num_tokens, window: int, max_len: int, capacity: int):
+    """(held, n) int32 of rows of num_tokens (arrays or, in the kernel, a scalar): the row's
+    length n (num_tokens, capped at max_len if > 0) and the positions the codes hold, the
+    first `held` (n less the W windows' slots, clamped to [0, capacity])."""
+    n = jnp.asarray(num_tokens).astype(jnp.int32)
+    n = jnp.minimum(n, max_len) if max_len else n
+    return jnp.clip(n - window, 0, capacity), n
 
 
 # One jitted function: a model's layers call it with equal shapes, and XLA lowers (and Mosaic
 # compiles) the kernel once for all of them instead of once per call site.
 @functools.partial(
     jax.jit,
-    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "basis_scale", "sinks",
-                     "splits", "stages", "interpret"),
+    static_argnames=("key_bits", "value_bits", "group_size", "sm_scale", "basis_scale", "skip",
+                     "max_len", "splits", "stages", "interpret"),
 )  # fmt: skip
 def _prerope_decode(
     q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, num_tokens, layer, inv_freq,
-    key_basis, origin, *, key_bits, value_bits, group_size, sm_scale, basis_scale, sinks,
-    splits, stages, interpret,
+    key_basis, origin, windows, sinks, *, key_bits, value_bits, group_size, sm_scale,
+    basis_scale, skip, max_len, splits, stages, interpret,
 ):  # fmt: skip
     L, B, H, _, D = k_codes.shape
-    Tq = capacity_of(v_codes, value_bits)
+    window = 0 if windows is None else windows[0].shape[-2]
+    n_sinks = 0 if sinks is None else sinks[0].shape[-2]
     layer = jnp.asarray(layer, jnp.int32)
     in_range = (layer >= 0) & (layer < L)
     at = jnp.clip(layer, 0, L - 1)
     # the key scales of the layer in the stored channel order of the codes' rows
     stored = stored_byte(np.arange(D), key_bits)
     ks, km = (jnp.take(x[at], stored, axis=-1) for x in (k_scale, k_min))
-    held = jnp.clip(num_tokens.astype(jnp.int32), 0, Tq)
-    meta = jnp.stack([at, jnp.asarray(origin, jnp.int32)])
+    basis = key_basis_halves(key_basis, key_bits, basis_scale)
+    if window or n_sinks:  # the full-precision keys are in channel order
+        basis = jnp.concatenate([basis, key_basis_halves(key_basis, None, basis_scale)])
     o_t, lse2 = _launch(
-        query_halves(q, H, sm_scale), k_codes, ks, km, v_codes, v_scale, v_min, held, meta,
-        jnp.asarray(inv_freq, jnp.float32), key_basis_halves(key_basis, key_bits, basis_scale),
-        swap_permutation(), key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-        splits=splits, stages=stages, sinks=sinks, basis_scale=basis_scale,
-        interpret=interpret,
+        query_halves(q, H, sm_scale), k_codes, ks, km, v_codes, v_scale, v_min,
+        num_tokens.astype(jnp.int32), layer.reshape(1),
+        jnp.asarray(origin, jnp.int32).reshape(1),
+        jnp.asarray(inv_freq, jnp.float32), basis, swap_permutation(),
+        (*(windows or ()), *(sinks or ())), key_bits=key_bits, value_bits=value_bits,
+        group_size=group_size, splits=splits, stages=stages, skip=skip, window=window,
+        sinks=n_sinks, max_len=max_len, basis_scale=basis_scale, interpret=interpret,
     )  # fmt: skip
     g = q.shape[1] // H
     o_parts = o_t.swapaxes(-1, -2)[..., :g, :]  # [B, Hkv, S, g, D]
