@@ -343,7 +343,8 @@ def _codes_unit(refs, scratch, b, h, split, layer, origin, held, *, key_bits, va
                 group_size, per_split, stages, skip, basis_scale):  # fmt: skip
     """Unit (b, h, split) over its split's 256-token blocks of codes: positions [skip,
     held) at origin + slot."""
-    q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, o_g, lse_g = refs
+    q_g, k_g, kq_g, v_g, vs_g, vm_g, o_g, lse_g = refs
+    ks_g, km_g = kq_g.at[0], kq_g.at[1]
     q_s, freq_s, basis_s, perm_s, fixed = scratch
     k_pieces = 4 // codes_per_byte(key_bits)  # 64-row pieces of a block's key codes
     v_pieces = 4 // codes_per_byte(value_bits)
@@ -527,7 +528,7 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
     tail = bool(window or sinks)
 
     # the name Mosaic gives the kernel, which profiles show
-    def prerope_decode_kernel(q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, n_g, layer_g, origin_g,
+    def prerope_decode_kernel(q_g, k_g, kq_g, v_g, vs_g, vm_g, n_g, layer_g, origin_g,
                               freq_g, basis_g, perm_g, *refs):  # fmt: skip
         *full, o_g, lse_g, q_s, freq_s, basis_s, perm_s, fixed = refs
         kw_g, vw_g = full[:2] if window else (None, None)
@@ -544,7 +545,7 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
         plgpu.copy_gmem_to_smem(basis, basis_s, bar)
         plgpu.copy_gmem_to_smem(perm_g, perm_s, bar)
         codes = functools.partial(
-            _codes_unit, (q_g, k_g, ks_g, km_g, v_g, vs_g, vm_g, o_g, lse_g),
+            _codes_unit, (q_g, k_g, kq_g, v_g, vs_g, vm_g, o_g, lse_g),
             (q_s, freq_s, basis_s, perm_s, bar), b, h, split, layer, origin, held,
             key_bits=key_bits, value_bits=value_bits, group_size=group_size,
             per_split=per_split, stages=stages, skip=skip, basis_scale=basis_scale,
@@ -573,7 +574,7 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
 
 
 def _launch(
-    qh, k_codes, ks, km, v_codes, vs, vm, n, layer, origin, freq, basis, perm, full, *,
+    qh, k_codes, kq, v_codes, vs, vm, n, layer, origin, freq, basis, perm, full, *,
     key_bits, value_bits, group_size, splits, stages, skip, window, sinks, max_len,
     basis_scale, interpret,
 ):  # fmt: skip
@@ -604,7 +605,7 @@ def _launch(
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),  # `_cos_sin`, exp2
         **interpret_option(interpret),
-    )(qh, k_codes, ks, km, v_codes, vs, vm, n, layer, origin, freq, basis, perm, *full)
+    )(qh, k_codes, kq, v_codes, vs, vm, n, layer, origin, freq, basis, perm, *full)
 
 
 def takes_sinks(k_sink, v_sink) -> bool:
@@ -731,14 +732,15 @@ def _prerope_decode(
     layer = jnp.asarray(layer, jnp.int32)
     in_range = (layer >= 0) & (layer < L)
     at = jnp.clip(layer, 0, L - 1)
-    # the key scales of the layer in the stored channel order of the codes' rows
+    # the layer's key scales and minimums in the stored channel order of the codes' rows, in
+    # one gather (the minimums in the scales' dtype, which a cache stores both in)
     stored = stored_byte(np.arange(D), key_bits)
-    ks, km = (jnp.take(x[at], stored, axis=-1) for x in (k_scale, k_min))
+    kq = jnp.take(jnp.stack([k_scale[at], k_min[at].astype(k_scale.dtype)]), stored, axis=-1)
     basis = key_basis_halves(key_basis, key_bits, basis_scale)
     if window or n_sinks:  # the full-precision keys are in channel order
         basis = jnp.concatenate([basis, key_basis_halves(key_basis, None, basis_scale)])
     o_t, lse2 = _launch(
-        query_halves(q, H, sm_scale), k_codes, ks, km, v_codes, v_scale, v_min,
+        query_halves(q, H, sm_scale), k_codes, kq, v_codes, v_scale, v_min,
         num_tokens.astype(jnp.int32), layer.reshape(1),
         jnp.asarray(origin, jnp.int32).reshape(1),
         jnp.asarray(inv_freq, jnp.float32), basis, swap_permutation(),
