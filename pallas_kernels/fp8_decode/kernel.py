@@ -38,7 +38,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.layout import CACHE_BLOCK, cache_slot
 from pallas_kernels.merge import merge_partials
-from pallas_kernels.tiles import interpret_option, padded_heads, smem
+from pallas_kernels.tiles import (
+    interpret_option,
+    online_softmax_step,
+    padded_heads,
+    smem,
+    write_partial,
+)
 
 TILE = 64  # slots per tile: wgmma's M for the scores
 STAGES = 2  # tiles in flight per unit: the TMA copies run this far ahead of the compute
@@ -194,27 +200,17 @@ def _body(group_size: int, per_split: int, stages: int):
             logits = _scores(kb_s, q_s, ks_s, slot)
             position = _slot_positions((first + t) * TILE, logits.shape)
             logits = jnp.where(position < held, logits, -jnp.inf)
-            m_new = jnp.maximum(m, logits.max(axis=0))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(logits - m_new[None, :])
-            l = l * alpha + p.sum(axis=0)
+            p, alpha, m, l = online_softmax_step(m, l, logits)
             o = o * alpha[None, :] + _value_product(vb_s, p_s, p)
             # the slot's copies were read before _value_product's barrier: refill it
             pl.when(t + stages < tiles)(lambda: fetch(t + stages, slot))
-            return o, m_new, l
+            return o, m, l
 
         D, N = o_s.shape
         # a finite floor for the running max: a tile of masked slots adds exp2(-inf) = 0
         init = (jnp.zeros((D, N), jnp.float32), jnp.full((N,), -1e30, jnp.float32))
         o, m, l = lax.fori_loop(0, tiles, step, (*init, jnp.zeros((N,), jnp.float32)))
-        empty = l == 0.0  # no position of the split is held
-        norm = jnp.where(empty, 1.0, l)
-        o_s[...] = o / norm[None, :]
-        lse_s[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(norm))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, split])
-        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, split])
-        plgpu.wait_smem_to_gmem(0)
+        write_partial(o_s, lse_s, o_g.at[b, h, split], lse_g.at[b, h, split], o, m, l)
 
     return fp8_decode_kernel
 

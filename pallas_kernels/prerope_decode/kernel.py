@@ -65,7 +65,14 @@ from pallas_kernels.layout import (
     value_codes_blocked,
 )
 from pallas_kernels.merge import merge_partials
-from pallas_kernels.tiles import interpret_option, padded_heads, smem, smem_product
+from pallas_kernels.tiles import (
+    interpret_option,
+    online_softmax_step,
+    padded_heads,
+    smem,
+    smem_product,
+    write_partial,
+)
 
 # Code blocks in flight per unit. One: a unit then holds ~95 KB of shared memory at D = 128 and
 # two are resident per SM, whose interleaving hides more of a unit's serial steps (products
@@ -314,29 +321,15 @@ def _values(p, v_s, vs_s, perm_s, slot, quarter, *, value_bits, group_size):
     return out
 
 
-def _softmax_step(m, l, logits):
-    """One plane of the online softmax over axis 0 (log2 units): (P, alpha, m, l)."""
-    m_new = jnp.maximum(m, logits.max(axis=0))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(logits - m_new[None, :])
-    return p, alpha, m_new, l * alpha + p.sum(axis=0)
-
-
 def _store_partial(o_g, lse_g, b, h, split, o, m, l):
-    """The unit's normalized partial: o^T [D, N] and lse (log2 units); o = 0, lse = -inf
-    where it attended nothing."""
-    empty = l == 0.0
-    norm = jnp.where(empty, 1.0, l)
-
-    def store(o_s, lse_s):
-        o_s[...] = o / norm[None, :]
-        lse_s[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(norm))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, split])
-        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, split])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store, plgpu.SMEM(o.shape, jnp.float32), plgpu.SMEM(m.shape, jnp.float32))
+    """Unit (b, h, split)'s normalized partial (`write_partial`) through scoped buffers."""
+    pl.run_scoped(
+        lambda o_s, lse_s: write_partial(
+            o_s, lse_s, o_g.at[b, h, split], lse_g.at[b, h, split], o, m, l
+        ),
+        plgpu.SMEM(o.shape, jnp.float32),
+        plgpu.SMEM(m.shape, jnp.float32),
+    )
 
 
 def _codes_unit(refs, scratch, b, h, split, layer, origin, held, *, key_bits, value_bits,
@@ -391,7 +384,7 @@ def _codes_unit(refs, scratch, b, h, split, layer, origin, held, *, key_bits, va
             logits = _scores(q_s, lo, hi)
             local = cache_slot(first_slot + lax.broadcasted_iota(jnp.int32, logits.shape, 0))
             logits = jnp.where((local < held) & (origin + local >= skip), logits, -jnp.inf)
-            p, alpha, m, l = _softmax_step(m, l, logits)
+            p, alpha, m, l = online_softmax_step(m, l, logits)
             pv = _values(p, v_s, vs_s, perm_s, slot, quarter, value_bits=value_bits,
                          group_size=group_size)  # fmt: skip
             # each value group's minimum weighs the slots' P: summed over the slots once, at
@@ -464,7 +457,7 @@ def _tail_unit(refs, scratch, b, h, split, layer, held, length, *, window, sinks
         lo, hi = _rope_keys(x, basis_s, freq_s, position, basis_scale)
         logits = _scores(q_s, lo, hi)
         rows = lax.broadcasted_iota(jnp.int32, logits.shape, 0)
-        p, alpha, m, l = _softmax_step(m, l, jnp.where(logits_mask(rows), logits, -jnp.inf))
+        p, alpha, m, l = online_softmax_step(m, l, jnp.where(logits_mask(rows), logits, -jnp.inf))
 
         def product(p_s):
             p_s.T[...] = p.astype(dtype)
