@@ -25,7 +25,8 @@ each once and reuses it for every identical fusion, so in an unrolled model they
 grow with the layers (a layer index folded into the fusions as a constant makes every layer's
 kernels its own, and the compile time grows with them; XLA's shape-dependent fusion choices
 still add or merge one or two between layer counts). `--check` exits 1 on any move, or when
-distinct kernels grow by one per two layers or more.
+distinct kernels grow by one per two layers or more; `--max-per-layer NAME=N` exits 1 where a
+cache's launches per layer exceed N.
 Feeds the launch counts of docs/performance.md; run as
 `.venv-aot/bin/python bench/step_launches.py` (`.ci/run` runs the check).
 """
@@ -188,6 +189,11 @@ def main(argv=None) -> int:
         help="exit 1 on a move, or if distinct kernels grow by one per two layers",
     )
     ap.add_argument(
+        "--max-per-layer",
+        default="",
+        help="NAME=N,...: exit 1 where a cache's launches per layer exceed N (a regression)",
+    )
+    ap.add_argument(
         "--time-layers",
         type=int,
         default=0,
@@ -209,7 +215,8 @@ def main(argv=None) -> int:
     print(
         "cache | launches per layer | launches per step besides | moves per step | distinct kernels"
     )
-    grows = False
+    budget = parse_budget(args.max_per_layer)
+    grows = over = False
     for name in args.caches.split(","):
         kn = {} if name == "fp16" else knobs
         hlos = [
@@ -228,10 +235,23 @@ def main(argv=None) -> int:
             f" | {ka} at L={la}, {kb} at L={lb}"
         )
         grows |= ma > 0 or mb > 0 or 2 * (kb - ka) >= lb - la
+        if per_layer > budget.get(name, float("inf")):
+            print(f"{name}: {per_layer:g} launches per layer, over {budget[name]}", file=sys.stderr)
+            over = True
     if args.check and grows:
         print("a move of a window or stores, or kernels growing with the layers", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if (args.check and grows) or over else 0
+
+
+def parse_budget(text: str) -> dict[str, float]:
+    """'kivi2=15,best3=20' -> {'kivi2': 15.0, 'best3': 20.0} (empty: no budget)."""
+    budget = {}
+    for item in filter(None, text.split(",")):
+        name, _, n = item.partition("=")
+        if not name or not n:
+            raise SystemExit(f"--max-per-layer: NAME=N items, got {item!r}")
+        budget[name] = float(n)
+    return budget
 
 
 if __name__ == "__main__":

@@ -474,6 +474,15 @@ def test_step_launches_counts_distinct_kernels_by_structure():
     assert distinct_kernels(hlo + fused("fused_add.2", 2)) == 2
 
 
+def test_step_launches_budget_is_per_cache_name():
+    from bench.step_launches import parse_budget
+
+    assert parse_budget("kivi2=15,best3=20") == {"kivi2": 15.0, "best3": 20.0}
+    assert parse_budget("") == {}
+    with pytest.raises(SystemExit, match="NAME=N"):
+        parse_budget("kivi2")
+
+
 def test_scaling_tiny_times_every_device_count_and_checks_the_mesh(tmp_path):
     """bench.scaling on the simulated CPU devices: a row per device count (and the no-mesh
     baseline) with its step time, the merge's share on several devices, the chunked prefill
