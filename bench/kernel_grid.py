@@ -29,11 +29,12 @@ With --ragged the rows hold T/3..T quantized tokens (spaced evenly, the longest 
 baseline masks the same lengths) and the bytes are the rows' own. With --sinks N the first N
 positions are kept in full precision and --rotate rotates the cache (docs/formats.md); the call
 attends the sinks and rotates q and o where `decode_attention` does (in the kernel where it
-takes them, docs/kernel.md). With --formats the cells are float-format caches
+takes them, docs/kernel.md). With --formats the cells are caches of those names
 (`kivi_jax.make_cache(NAME, group_size=G, per_layer=True)`, random bf16 K/V of std 1 prefilled, T
-quantized tokens and R in the windows) read by `implementation="auto"` (on a GPU their "xla" path:
-the kernel does not read them) with the layer index a Python int, as a model's unrolled layers pass
-it; the bytes those of one layer of the cache.
+quantized tokens and R in the windows) read by `implementation=--format-impl` ("auto": on Hopper
+the fp8 kernel, best3 / best25's pre-RoPE kernel up to 16k slots per launch, XLA otherwise) with
+the layer index a Python int, as a model's unrolled layers pass it; the bytes those of one layer of
+the cache.
 
 Feeds the kernel tables of docs/performance.md and README.md (docs/results/kernel_chain_*.json:
 rows plus an `env` block with the date, GPU, driver, versions and
