@@ -438,7 +438,7 @@ def _codes_unit(refs, scratch, b, h, split, layer, origin, held, *, key_bits, va
     )
 
 
-def _tail_unit(refs, scratch, b, h, split, layer, held, length, *, window, sinks,
+def _full_precision_unit(refs, scratch, b, h, split, layer, held, length, *, window, sinks,
                basis_scale):  # fmt: skip
     """Unit (b, h, split) over the full-precision slots: the sink buffers' first N, those
     below `held` (the positions the codes hold), then the residual windows' W slots (token p
@@ -518,7 +518,7 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
     """The kernel body for `splits` splits of `per_split` 256-token blocks and, with a
     `window` or `sinks`, one more unit per (row, kv head) for them. The row lengths, the layer
     (clamped here) and the origin come as they are: no launch before it prepares them."""
-    tail = bool(window or sinks)
+    full_unit = bool(window or sinks)
 
     # the name Mosaic gives the kernel, which profiles show
     def prerope_decode_kernel(q_g, k_g, kq_g, v_g, vs_g, vm_g, n_g, layer_g, origin_g,
@@ -532,9 +532,11 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
         bar = fixed.at[0]
         plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s, bar)
         plgpu.copy_gmem_to_smem(freq_g, freq_s, bar)
-        # the tail unit's keys are in channel order: the basis's second pair of halves (a
-        # slice, not an index, which would leave TMA one dimension too many)
-        basis = basis_g.at[pl.ds(2 * (split == splits).astype(jnp.int32), 2)] if tail else basis_g
+        # the full-precision unit's keys are in channel order: the basis's second pair of
+        # halves (a slice, not an index, which would leave TMA one dimension too many)
+        basis = basis_g
+        if full_unit:
+            basis = basis_g.at[pl.ds(2 * (split == splits).astype(jnp.int32), 2)]
         plgpu.copy_gmem_to_smem(basis, basis_s, bar)
         plgpu.copy_gmem_to_smem(perm_g, perm_s, bar)
         codes = functools.partial(
@@ -543,25 +545,15 @@ def _body(key_bits, value_bits, group_size, per_split, stages, skip, basis_scale
             key_bits=key_bits, value_bits=value_bits, group_size=group_size,
             per_split=per_split, stages=stages, skip=skip, basis_scale=basis_scale,
         )  # fmt: skip
-        if not tail:
+        if not full_unit:
             return codes()
+        full_precision = functools.partial(
+            _full_precision_unit, (q_g, kw_g, vw_g, sk_g, sv_g, o_g, lse_g),
+            (q_s, freq_s, basis_s, bar), b, h, split, layer, held, length, window=window,
+            sinks=sinks, basis_scale=basis_scale,
+        )  # fmt: skip
         pl.when(split < splits)(codes)
-        pl.when(split == splits)(
-            functools.partial(
-                _tail_unit,
-                (q_g, kw_g, vw_g, sk_g, sv_g, o_g, lse_g),
-                (q_s, freq_s, basis_s, bar),
-                b,
-                h,
-                split,
-                layer,
-                held,
-                length,
-                window=window,
-                sinks=sinks,
-                basis_scale=basis_scale,
-            )  # fmt: skip
-        )
+        pl.when(split == splits)(full_precision)
 
     return prerope_decode_kernel
 
@@ -572,7 +564,7 @@ def _launch(
     basis_scale, interpret,
 ):  # fmt: skip
     """The kernel over every unit: (o^T [B, Hkv, S, D, N], lse [B, Hkv, S, N], log2 units),
-    S = splits, plus one for the tail unit where there is a window or sinks (`full`: their
+    S = splits, plus one for the full-precision unit where there are windows or sinks (`full`: their
     buffers, windows first)."""
     B, H, _, N, half = qh.shape
     D = 2 * half
