@@ -604,8 +604,9 @@ def _prerope_kernel(q, cache: KiviCache, layer, num_tokens, scale, interpret, si
 
 
 def _prerope_beside(qg, cache: KiviCache, layer, m, tail: bool = True) -> tuple[Array, Array]:
-    """What the pre-RoPE kernel leaves of a decode step, in one softmax: each row's quantized
-    sinks, positions [0, min(N, m)), and with `tail` its tail [m, lengths)
+    """What the pre-RoPE kernel leaves of a decode step where its launch does not take the
+    sinks or windows (`_prerope_kernel`), in one softmax: each row's quantized sinks,
+    positions [0, min(N, m)), and with `tail` its tail [m, lengths)
     (`tail_attention`'s), read by one gather (the sinks from their buffers, the tail from the
     windows), keys back to post-RoPE (`read_keys`), float32."""
     n = jnp.minimum(cache.lengths, cache.max_len)
@@ -684,7 +685,7 @@ def _kivi_pallas(
             return grouped(*_settled(o, lse, interpret))
         except NotImplementedError:
             pass
-    if config.prerope_kernel_layout:  # the sinks and the tail in one pass beside the kernel
+    if config.prerope_kernel_layout:  # the sinks and the tail in one pass beside the launch
         main = grouped(*_settled(*call(m, sinks=False), interpret))
         o, lse = merge_partials([main, _prerope_beside(qg, cache, layer, m)])
     else:
