@@ -613,32 +613,37 @@ def _sixteen_bit(*arrays) -> bool:
 
 
 def check_full_precision(windows, sinks, skip, origin, *, L, B, H, D, Tq):
-    """ValueError for residual windows or sink buffers the kernel does not take: (W, N)."""
+    """ValueError for residual windows or sink buffers the kernel does not take (beyond
+    `takes_windows` / `takes_sinks`: their shapes, skip, origin, one dtype for both): (W, N)."""
     window = n_sinks = 0
     dtypes = set()
     if windows is not None:
         kw, vw = windows
-        window = kw.shape[-2] if kw.ndim == 5 else -1
-        if window <= 0 or window % CACHE_PLANE:
-            raise ValueError(f"the windows' W must be a positive multiple of {CACHE_PLANE}")
+        if kw.ndim != 5 or not takes_windows(kw, vw):
+            raise ValueError(
+                f"the windows' W must be a positive multiple of {CACHE_PLANE}, in one 16-bit dtype"
+            )
+        window = kw.shape[-2]
         want = {"k_window": (L, B, H, window, D), "v_window": (L, B, H, D, window)}
         for name, x in zip(want, windows, strict=True):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{name} must be {want[name]}, got {x.shape}")
         if not (isinstance(origin, int) and origin == 0):
             raise ValueError("the windows are a whole row's: origin must be 0")
-        dtypes |= {kw.dtype, vw.dtype}
+        dtypes.add(kw.dtype)
     if sinks is not None:
-        n_sinks = sinks[0].shape[-2] if sinks[0].ndim == 5 else -1
-        if not 0 < n_sinks <= CACHE_PLANE or n_sinks % 8:
-            raise ValueError(f"N sinks must be a multiple of 8 up to {CACHE_PLANE}")
+        if sinks[0].ndim != 5 or not takes_sinks(*sinks):
+            raise ValueError(
+                f"N sinks must be a multiple of 8 up to {CACHE_PLANE}, in one 16-bit dtype"
+            )
+        n_sinks = sinks[0].shape[-2]
         for name, x in zip(("k_sink", "v_sink"), sinks, strict=True):
             if tuple(x.shape) != (L, B, H, n_sinks, D):
                 raise ValueError(f"{name} must be {(L, B, H, n_sinks, D)}, got {x.shape}")
         if skip != n_sinks:
             raise ValueError(f"skip must be N = {n_sinks} with the sink buffers, got {skip}")
-        dtypes |= {sinks[0].dtype, sinks[1].dtype}
-    if dtypes - {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)} or len(dtypes) > 1:
+        dtypes.add(sinks[0].dtype)
+    if len(dtypes) > 1:
         raise ValueError(f"windows and sinks must share one 16-bit dtype, got {dtypes}")
     if n_sinks > Tq:
         raise ValueError(f"N = {n_sinks} sinks exceed the {Tq} slots")
